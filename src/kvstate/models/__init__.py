@@ -1,0 +1,46 @@
+"""kvstate.models — the one place that knows transformers internals.
+
+Layer kinds, state snapshot/restore over the unified ``DynamicCache``, segmented prefill with explicit
+``position_ids``, byte accounting, local loading, and tiny random configs of every supported family.
+"""
+
+from kvstate.models.accounting import StateInfo, checkpoint_bytes, describe, kv_bytes_per_token, recurrent_shape
+from kvstate.models.families import FAMILIES, LayerKind, chunk_size, family_of, layer_kinds, supported_families
+from kvstate.models.loading import load_config, load_model
+from kvstate.models.prefill import PrefillOutput, segmented_prefill
+from kvstate.models.state import (
+    AttentionState,
+    CacheSnapshot,
+    LayerSnapshot,
+    RecurrentState,
+    restore_cache,
+    snapshot_cache,
+)
+from kvstate.models.tiny import qwen35_08b_config, tiny_config, tiny_model
+
+__all__ = [
+    "FAMILIES",
+    "AttentionState",
+    "CacheSnapshot",
+    "LayerKind",
+    "LayerSnapshot",
+    "PrefillOutput",
+    "RecurrentState",
+    "StateInfo",
+    "checkpoint_bytes",
+    "chunk_size",
+    "describe",
+    "family_of",
+    "kv_bytes_per_token",
+    "layer_kinds",
+    "load_config",
+    "load_model",
+    "qwen35_08b_config",
+    "recurrent_shape",
+    "restore_cache",
+    "segmented_prefill",
+    "snapshot_cache",
+    "supported_families",
+    "tiny_config",
+    "tiny_model",
+]

@@ -1,0 +1,126 @@
+"""Byte accounting of a model's state, from its config alone (no weights needed).
+
+Seed 000's motivation in numbers: a recurrent checkpoint costs a fixed block of bytes (per head
+``d_k * d_v`` for Gated DeltaNet, ``d_head * d_state`` for Mamba2, always fp32 in transformers) while
+attention KV grows per token. ``tests/test_accounting.py`` checks every formula here against the bytes
+of a real cache after a forward pass, for every supported family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvstate.models.families import LayerKind, RecurrentKind, chunk_size, family_of, layer_kinds, text_config
+
+RECURRENT_STATE_DTYPE = torch.float32  # transformers keeps SSM / delta-rule states in fp32 even in bf16 models
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    conv_channels: int  # conv state (B, conv_channels, conv_kernel)
+    conv_kernel: int
+    heads: int  # recurrent state (B, heads, dim_a, dim_b)
+    dim_a: int
+    dim_b: int
+
+
+def recurrent_shape(config: Any) -> RecurrentShape | None:
+    family = family_of(config)
+    tc = text_config(config)
+    if family.recurrent is RecurrentKind.GATED_DELTANET:
+        key_dim = tc.linear_num_key_heads * tc.linear_key_head_dim
+        value_dim = tc.linear_num_value_heads * tc.linear_value_head_dim
+        return RecurrentShape(
+            conv_channels=2 * key_dim + value_dim,
+            conv_kernel=tc.linear_conv_kernel_dim,
+            heads=tc.linear_num_value_heads,
+            dim_a=tc.linear_key_head_dim,
+            dim_b=tc.linear_value_head_dim,
+        )
+    if family.recurrent is RecurrentKind.MAMBA2:
+        if tc.model_type == "mamba2":
+            inner, groups, state, heads, head_dim, kernel = (
+                tc.expand * tc.hidden_size, tc.n_groups, tc.state_size, tc.num_heads, tc.head_dim, tc.conv_kernel,
+            )
+        else:  # Bamba, Falcon-H1 name the same quantities mamba_*
+            inner = getattr(tc, "mamba_d_ssm", None) or tc.mamba_expand * tc.hidden_size
+            groups, state, heads, head_dim, kernel = (
+                tc.mamba_n_groups, tc.mamba_d_state, tc.mamba_n_heads, tc.mamba_d_head, tc.mamba_d_conv,
+            )
+        return RecurrentShape(inner + 2 * groups * state, kernel, heads, head_dim, state)
+    return None
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def model_dtype(config: Any) -> torch.dtype:
+    dtype = getattr(text_config(config), "dtype", None) or getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype | None = None) -> int:
+    """Attention KV bytes one token adds to the cache (all attention and hybrid layers, batch 1)."""
+    tc = text_config(config)
+    dtype = dtype or model_dtype(config)
+    n_attn = sum(k in (LayerKind.ATTENTION, LayerKind.HYBRID) for k in layer_kinds(config))
+    if n_attn == 0:
+        return 0
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
+    return n_attn * 2 * kv_heads * head_dim * _dtype_bytes(dtype)
+
+
+def checkpoint_bytes(config: Any, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one recurrent checkpoint: conv + recurrent state of every recurrent/hybrid layer (batch 1)."""
+    shape = recurrent_shape(config)
+    if shape is None:
+        return 0
+    dtype = dtype or model_dtype(config)
+    n_rec = sum(k in (LayerKind.RECURRENT, LayerKind.HYBRID) for k in layer_kinds(config))
+    conv = shape.conv_channels * shape.conv_kernel * _dtype_bytes(dtype)
+    rec = shape.heads * shape.dim_a * shape.dim_b * _dtype_bytes(RECURRENT_STATE_DTYPE)
+    return n_rec * (conv + rec)
+
+
+@dataclass(frozen=True)
+class StateInfo:
+    family: str  # kvstate family name
+    layer_kinds: list[str]  # one of attention / recurrent / hybrid / none per decoder layer
+    dtype: str  # dtype the accounting assumed for KV and conv state
+    kv_bytes_per_token: int  # attention KV added per token
+    checkpoint_bytes: int  # one recurrent checkpoint (0 for attention-only models)
+    checkpoint_tokens: float | None  # checkpoint_bytes / kv_bytes_per_token; None without attention KV
+    chunk_size: int | None  # chunked-kernel length (None: attention only)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "family": self.family,
+            "layer_kinds": self.layer_kinds,
+            "dtype": self.dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "checkpoint_tokens": self.checkpoint_tokens,
+            "chunk_size": self.chunk_size,
+        }
+
+
+def describe(config: Any, dtype: torch.dtype | None = None) -> StateInfo:
+    dtype = dtype or model_dtype(config)
+    kv = kv_bytes_per_token(config, dtype)
+    ck = checkpoint_bytes(config, dtype)
+    return StateInfo(
+        family=family_of(config).name,
+        layer_kinds=[k.value for k in layer_kinds(config)],
+        dtype=str(dtype).removeprefix("torch."),
+        kv_bytes_per_token=kv,
+        checkpoint_bytes=ck,
+        checkpoint_tokens=ck / kv if kv else None,
+        chunk_size=chunk_size(config),
+    )
