@@ -1,0 +1,90 @@
+"""The kvstate CLI: info on saved tiny models of every family, clear errors with exit code 2, report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers as tf
+from typer.testing import CliRunner
+
+from kvstate.cli import app
+from kvstate.models import describe, qwen35_08b_config
+from tests.conftest import FAMILIES, get_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for fam in FAMILIES:
+        get_model(fam).save_pretrained(root / fam)
+        out[fam] = root / fam
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_info_json_on_each_family(saved, family):
+    res = runner.invoke(app, ["info", str(saved[family]), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output.strip().splitlines()[-1])
+    expected = describe(get_model(family).config)
+    assert data["layer_kinds"] == expected.layer_kinds
+    assert data["kv_bytes_per_token"] == expected.kv_bytes_per_token
+    assert data["checkpoint_bytes"] == expected.checkpoint_bytes
+    assert data["chunk_size"] == expected.chunk_size
+    assert set(data) >= {"layer_kinds", "kv_bytes_per_token", "checkpoint_bytes", "chunk_size"}
+
+
+def test_info_table_for_qwen35_08b_shape(tmp_path):
+    qwen35_08b_config().save_pretrained(tmp_path / "q")
+    res = runner.invoke(app, ["info", str(tmp_path / "q")])
+    assert res.exit_code == 0, res.output
+    assert "1,608 tokens of KV" in res.output and "12,288 B" in res.output
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstate.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        ("missing", "does not exist"),
+        ("empty", "no config.json"),
+        ("vit", "not a causal language model"),
+        ("gpt2", "supported families"),
+    ],
+)
+def test_bad_model_dirs_exit_2_without_traceback(tmp_path, setup, message):
+    path = tmp_path / setup
+    if setup == "empty":
+        path.mkdir()
+    elif setup == "vit":
+        tf.ViTConfig().save_pretrained(path)
+    elif setup == "gpt2":
+        tf.GPT2Config().save_pretrained(path)
+    res = _run_cli("info", str(path))
+    assert res.returncode == 2
+    assert message in " ".join(res.stderr.split())
+    assert "Traceback" not in res.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    res = _run_cli("--debug", "info", str(tmp_path / "missing"))
+    assert res.returncode != 0 and "ModelLoadError" in res.stderr
+
+
+def test_report_writes_html_and_summary(tmp_path):
+    res = runner.invoke(app, ["report", "--out", str(tmp_path / "r"), "--models", str(tmp_path / "none")])
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "r" / "index.html").read_text()
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert "Qwen3.5-0.8B shape" in html and "<img" in html
+    assert summary["model_state"]["Qwen3.5-0.8B shape (bf16)"]["checkpoint_bytes"] == 19759104
+    assert (tmp_path / "r" / "model_state_bytes.png").stat().st_size > 1000
