@@ -72,7 +72,7 @@ def test_unsupported_family_names_the_supported_ones():
 def test_load_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_config(tmp_path / "nope")
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_config(tmp_path)
     tf.ViTConfig().save_pretrained(tmp_path / "vit")
     with pytest.raises(ModelLoadError, match="not a causal language model"):

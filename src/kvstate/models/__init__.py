@@ -4,8 +4,21 @@ Layer kinds, state snapshot/restore over the unified ``DynamicCache``, segmented
 ``position_ids``, byte accounting, local loading, and tiny random configs of every supported family.
 """
 
-from kvstate.models.accounting import StateInfo, checkpoint_bytes, describe, kv_bytes_per_token, recurrent_shape
-from kvstate.models.families import FAMILIES, LayerKind, chunk_size, family_of, layer_kinds, supported_families
+from kvstate.models.accounting import (
+    StateInfo,
+    checkpoint_bytes,
+    describe,
+    kv_bytes_per_token,
+    recurrent_shape,
+)
+from kvstate.models.families import (
+    FAMILIES,
+    LayerKind,
+    chunk_size,
+    family_of,
+    layer_kinds,
+    supported_families,
+)
 from kvstate.models.loading import load_config, load_model
 from kvstate.models.prefill import PrefillOutput, segmented_prefill
 from kvstate.models.state import (

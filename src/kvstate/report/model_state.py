@@ -12,11 +12,11 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from kvstate.models import describe, qwen35_08b_config, tiny_config  # noqa: E402
-from kvstate.models.loading import load_config  # noqa: E402
-from kvstate.report.html import Figure, Section, Table  # noqa: E402
+from kvstate.models import describe, qwen35_08b_config, tiny_config
+from kvstate.models.loading import load_config
+from kvstate.report.html import Figure, Section, Table
 
 TINY_FAMILIES = ("llama", "qwen3", "qwen3_5", "qwen3_next", "mamba2", "bamba", "falcon_h1")
 
@@ -63,7 +63,7 @@ def _plot(path: Path, summary: dict[str, dict[str, Any]]) -> Figure:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for n in names:
         s = summary[n]
-        (line,) = ax.plot(tokens, [t * s["kv_bytes_per_token"] / s["checkpoint_bytes"] for t in tokens], label=n)
+        (_line,) = ax.plot(tokens, [t * s["kv_bytes_per_token"] / s["checkpoint_bytes"] for t in tokens], label=n)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_xlabel("prefix tokens of attention KV")
     ax.set_ylabel("KV bytes / one checkpoint's bytes")
