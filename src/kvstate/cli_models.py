@@ -1,0 +1,94 @@
+"""``kvstate train`` and ``kvstate eval``: the reference-model commands (issue 4), registered by ``cli.py``.
+
+Plain functions with ``typing.Annotated`` typer parameters, so ``cli.py`` registers them with
+``app.command("train")(train_command)`` and tests can call them directly. They parse arguments, call
+:func:`kvstate.eval.train.train` / :func:`kvstate.eval.harness.run_tasks` and print; bad input raises a
+:class:`~kvstate.errors.KVStateError` (the CLI's ``main`` turns it into exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvstate.errors import KVStateError
+
+
+def _split(value: str, name: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise KVStateError(f"--{name} {value!r} is empty; pass one value or a comma-separated list")
+    return items
+
+
+def parse_lengths(value: str) -> list[int]:
+    """``"512,1K,4096"`` -> ``[512, 1024, 4096]`` (a ``K`` suffix means x1024)."""
+    out = []
+    for item in _split(value, "length"):
+        text = item.upper()
+        try:
+            out.append(int(text[:-1]) * 1024 if text.endswith("K") else int(text))
+        except ValueError:
+            raise KVStateError(f"--length {item!r} is not a token count; pass integers such as 512,1024 "
+                               "(or 1K,4K)") from None
+    return out
+
+
+def train_command(
+    arch: Annotated[str, typer.Option("--arch", help="attn (Qwen3) or hybrid (Qwen3.5: 3 Gated DeltaNet : 1 attention).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
+    minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock training budget of this run.")] = 30.0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the initialisation and the data stream.")] = 0,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue a run saved in this directory.")] = None,
+    init_from: Annotated[Path | None, typer.Option(
+        "--init-from", help="Start a new model from a trained one's matching tensors (e.g. hybrid from ref-attn).")] = None,
+) -> None:
+    """Train a reference model on the synthetic tasks with a context-length curriculum (CPU, bf16 autocast)."""
+    from rich.console import Console
+
+    from kvstate.eval.train import TrainConfig, train
+
+    if resume is not None and init_from is not None:
+        raise KVStateError("--resume and --init-from exclude each other: a resumed run keeps its own weights")
+    cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed)
+    state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None)
+    last = state["curve"][-1] if state["curve"] else {}
+    Console().print(f"saved {out}: {state['params']:,} parameters, step {state['step']}, "
+                    f"{state['tokens']:,} tokens, {state['seconds'] / 60:.1f} min, length {state['length']}, "
+                    f"gate exact match {last.get('exact', {})}")
+
+
+def eval_command(
+    model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer (save_pretrained).")],
+    task: Annotated[str, typer.Option("--task", help="Task name(s), comma-separated, e.g. niah_single,qa.")],
+    length: Annotated[str, typer.Option("--length", help="Context length(s) in tokens, comma-separated, e.g. 512,1024.")],
+    n: Annotated[int, typer.Option("--n", help="Examples per task and length.")] = 20,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out examples.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="End with one JSON line of the scores.")] = False,
+) -> None:
+    """Score a model on synthetic tasks with greedy decoding and the full cache; prints a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvstate.eval.harness import check_tasks, load_reference, run_tasks
+
+    tasks, lengths = _split(task, "task"), parse_lengths(length)
+    check_tasks(tasks, lengths)  # before loading the model: bad names fail fast
+    if n < 1:
+        raise KVStateError(f"--n {n} must be >= 1 (examples per task and length)")
+    if seed < 0:
+        raise KVStateError(f"--seed {seed} must be >= 0")
+    lm, tokenizer = load_reference(model)
+    result = run_tasks(lm, tokenizer, tasks, lengths, n, seed, progress=not as_json)
+    table = Table(title=f"{model} — full cache, n={n}, seed={seed}")
+    for col in ("task", "length", "n", "score", "cache KiB", "prefill ms", "decode ms"):
+        table.add_column(col, justify="left" if col == "task" else "right")
+    for row in result.scores():
+        table.add_row(row.task, str(row.length), str(row.n), f"{row.score:.3f}", f"{row.cache_bytes / 1024:.0f}",
+                      f"{row.prefill_s * 1e3:.1f}", f"{row.decode_s * 1e3:.1f}")
+    Console(stderr=as_json).print(table)
+    if as_json:
+        print(json.dumps(result.as_json(str(model))))

@@ -1,0 +1,335 @@
+"""Training the reference models (``models/ref-attn``, ``models/ref-hybrid``) on the synthetic tasks.
+
+Recipe (issue 4, measured on a 2-core CPU): bf16 autocast + SDPA, AdamW at lr 1e-3, answer tokens
+weighted x10, and a *context-length curriculum* that starts at 64 tokens and doubles the length
+whenever the gate tasks (``niah_single``, ``niah_multikey``) pass ``advance_at`` answer exact match.
+Exact match is measured on each fresh training batch *before* the update, row by row: a row counts
+when every answer token is the argmax under teacher forcing, which is exactly when greedy decoding
+reproduces the target (by induction over the answer), so it is the eval metric for free. Per-token
+teacher-forced accuracy is not used: once the first digit is given, the rest is a copy, and it reads
+0.85 while multi-key retrieval is at chance.
+
+Multi-needle documents are mixed in from the first stage: at 64 tokens the multi-needle tasks use
+two needles instead of four (:func:`stage_task_config`). Training is resumable: every save writes the
+model, the tokenizer, ``training_state.json`` (curriculum stage, step, learning curve) and
+``optimizer.pt``; ``resume=DIR`` continues from them. The hybrid can start from a trained attention
+model (``init_from``): tensors whose names and shapes match are copied (embeddings, MLPs, norms,
+attention k/v/o), which gives the Gated DeltaNet layers a working token representation to learn on.
+Ignored: data-parallel / multi-device training, mixed lengths within one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+
+from kvstate.errors import KVStateError
+from kvstate.workloads.tasks import TaskConfig, training_batch
+from kvstate.workloads.tokenizer import build_tokenizer
+
+ARCHS = ("attn", "hybrid")
+GATE_TASKS = ("niah_single", "niah_multikey")
+# Row share of each task in a batch (normalised); the gate tasks get the most.
+TASK_MIX = {"niah_single": 3.0, "niah_multikey": 3.0, "niah_multivalue": 1.0, "niah_multiquery": 1.0,
+            "vt": 1.0, "qa": 1.5, "fwe": 0.5, "cwe": 0.5, "text": 0.5}
+STATE_FILE, OPTIM_FILE = "training_state.json", "optimizer.pt"
+
+
+class TrainError(KVStateError):
+    """A training run cannot start: bad config, or a resume directory that is not a training output."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run; sizes default to the reference models of issue 4."""
+
+    arch: str = "attn"  # "attn" (Qwen3) or "hybrid" (Qwen3.5 text: 3 Gated DeltaNet : 1 attention)
+    minutes: float = 30.0  # wall-clock budget of this run (a resumed run adds to the total)
+    seed: int = 0  # model init and data stream
+    hidden_size: int = 256
+    num_layers: int | None = None  # None: 4 (attn) / 8 (hybrid)
+    intermediate_size: int = 768
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    start_length: int = 64  # first curriculum stage (tokens per row)
+    max_length: int = 4096  # last stage; training stays here once reached
+    tokens_per_step: int = 4096  # batch = tokens_per_step // length, clamped to [min_batch, max_batch]
+    min_batch: int = 2
+    max_batch: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    decay_fraction: float = 0.15  # last fraction of `minutes` decays lr linearly to 10%
+    weight_decay: float = 0.01
+    answer_weight: float = 10.0
+    advance_at: float = 0.75  # gate-task exact match that doubles the length
+    window: int = 96  # rows per gate task averaged for the curriculum decision
+    stage_patience_min: float = 8.0  # advance on niah_single alone after this long in a stage
+    bf16: bool = True
+    threads: int = 2
+    max_steps: int | None = None  # stop early (tests)
+    save_every_min: float = 5.0
+    log_every: int = 20  # steps between learning-curve points
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise TrainError(f"TrainConfig.arch={self.arch!r} is not one of {', '.join(ARCHS)}")
+        if not self.minutes > 0:
+            raise TrainError(f"TrainConfig.minutes={self.minutes} must be > 0")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise TrainError(f"TrainConfig.seed={self.seed!r} must be an int >= 0")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise TrainError(f"TrainConfig: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
+                             f"and num_heads by num_kv_heads={self.num_kv_heads}")
+        if self.num_layers is not None and (self.num_layers < 1 or (self.arch == "hybrid" and self.num_layers % 4)):
+            raise TrainError(f"TrainConfig.num_layers={self.num_layers} must be >= 1 (a multiple of 4 for hybrid: "
+                             "3 Gated DeltaNet : 1 attention)")
+        if not 16 <= self.start_length <= self.max_length:
+            raise TrainError(f"TrainConfig: need 16 <= start_length ({self.start_length}) <= max_length "
+                             f"({self.max_length})")
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise TrainError(f"TrainConfig: need 1 <= min_batch ({self.min_batch}) <= max_batch ({self.max_batch})")
+        if not self.answer_weight > 1.0:
+            raise TrainError(f"TrainConfig.answer_weight={self.answer_weight} must be > 1 (answer tokens are "
+                             "found by their weight)")
+        if not 0.0 < self.advance_at <= 1.0 or not 0.0 <= self.decay_fraction < 1.0:
+            raise TrainError(f"TrainConfig: advance_at={self.advance_at} must be in (0, 1] and "
+                             f"decay_fraction={self.decay_fraction} in [0, 1)")
+        if self.lr <= 0 or self.threads < 1 or self.window < 1:
+            raise TrainError("TrainConfig: lr, threads and window must be positive")
+
+    @property
+    def layers(self) -> int:
+        return self.num_layers or (4 if self.arch == "attn" else 8)
+
+    def batch_for(self, length: int) -> int:
+        return max(self.min_batch, min(self.max_batch, self.tokens_per_step // length))
+
+
+def model_config(cfg: TrainConfig, vocab_size: int, tokenizer: Any) -> Any:
+    """The transformers config of ``cfg.arch``: Qwen3 (attention) or Qwen3.5 text (hybrid)."""
+    common = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.hidden_size // cfg.num_heads,
+              "max_position_embeddings": 2 * cfg.max_length if cfg.max_length >= 4096 else 8192,
+              "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if cfg.arch == "attn":
+        return tf.Qwen3Config(**common)
+    heads = cfg.num_heads
+    return tf.Qwen3_5TextConfig(**common, full_attention_interval=4, linear_num_key_heads=heads,
+                                linear_num_value_heads=heads, linear_key_head_dim=cfg.hidden_size // heads,
+                                linear_value_head_dim=cfg.hidden_size // heads, linear_conv_kernel_dim=4)
+
+
+def stage_task_config(length: int) -> TaskConfig:
+    """Task sizes of a curriculum stage: two needles instead of four below 128 tokens, so they fit."""
+    return TaskConfig(n_keys=2, n_values=2, n_queries=2, vt_hops=2, vt_chains=1) if length < 128 else TaskConfig()
+
+
+_FITS: dict[int, dict[str, float]] = {}  # length -> stage_tasks (the tokenizer is always build_tokenizer's)
+
+
+def stage_tasks(length: int, tokenizer: Any) -> dict[str, float]:
+    """The tasks of :data:`TASK_MIX` that fit rows of ``length`` tokens, with their shares."""
+    if length in _FITS:
+        return _FITS[length]
+    fits = {}
+    for task, share in TASK_MIX.items():
+        try:
+            training_batch([task], length, 1, 0, tokenizer, config=stage_task_config(length))
+        except ValueError:
+            continue
+        fits[task] = share
+    _FITS[length] = fits
+    return fits
+
+
+def make_batch(cfg: TrainConfig, length: int, step: int, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A training batch for ``step``: rows split over the stage's tasks, deterministic in (seed, step)."""
+    tasks = stage_tasks(length, tokenizer)
+    names, shares = list(tasks), np.array(list(tasks.values()))
+    rng = np.random.default_rng([cfg.seed, step, 7])
+    rows = rng.choice(len(names), size=cfg.batch_for(length), p=shares / shares.sum())
+    ids, weights, row_tasks = [], [], []
+    data_seed = cfg.seed * 1_000_003 + step  # disjoint from generate(): training_batch uses its own stream
+    for k, task in enumerate(names):
+        count = int((rows == k).sum())
+        if count:
+            i, w = training_batch([task], length, count, data_seed, tokenizer, answer_weight=cfg.answer_weight,
+                                  config=stage_task_config(length))
+            ids.append(i)
+            weights.append(w)
+            row_tasks += [task] * count
+    return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(weights)), row_tasks
+
+
+def answer_stats(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 answer_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: (has an answer, greedy exact match of the whole answer, first answer token correct)."""
+    pred = logits[:, :-1].argmax(-1)  # (B, T-1): prediction of token t+1
+    ans = weights[:, 1:] >= answer_weight  # (B, T-1)
+    correct = (pred == ids[:, 1:]) | ~ans
+    first = ans.float().argmax(-1)  # index of the first answer position per row
+    first_ok = (pred == ids[:, 1:]).gather(1, first[:, None])[:, 0]
+    return ans.any(-1), correct.all(-1), first_ok
+
+
+def _init_from(model: Any, source_dir: Path) -> int:
+    """Copy every tensor of ``source_dir``'s model whose name (layer index rescaled) and shape match."""
+    src = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True).state_dict()
+    n_src = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("model.layers."))
+    n_dst = model.config.num_hidden_layers
+    copied = 0
+    zero_centered = {n for n, m in model.named_modules() if type(m).__name__ == "Qwen3_5RMSNorm"}
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            key = name
+            if name.startswith("model.layers."):
+                parts = name.split(".")
+                parts[2] = str(int(parts[2]) * n_src // n_dst)
+                key = ".".join(parts)
+            if key in src and src[key].shape == param.shape:
+                value = src[key].to(param.dtype)
+                if name.removesuffix(".weight") in zero_centered:  # Qwen3.5 norms scale by (1 + w)
+                    value = value - 1.0
+                param.copy_(value)
+                copied += 1
+    return copied
+
+
+def _lr(cfg: TrainConfig, step: int, elapsed: float) -> float:
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    budget = cfg.minutes * 60
+    decay_start = budget * (1 - cfg.decay_fraction)
+    decay = 1.0 if elapsed < decay_start else max(0.1, 1 - 0.9 * (elapsed - decay_start) / (budget - decay_start))
+    return cfg.lr * warm * decay
+
+
+def _save(model: Any, tokenizer: Any, optimizer: Any, out: Path, state: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    torch.save(optimizer.state_dict(), out / (OPTIM_FILE + ".tmp"))
+    (out / (OPTIM_FILE + ".tmp")).replace(out / OPTIM_FILE)
+    tmp = out / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(out / STATE_FILE)
+
+
+def load_state(run_dir: str | Path) -> dict[str, Any]:
+    """The ``training_state.json`` of a training output directory."""
+    path = Path(run_dir) / STATE_FILE
+    if not path.is_file():
+        raise TrainError(f"resume directory {str(run_dir)!r} has no {STATE_FILE}; pass a directory written by "
+                         "kvstate train --out")
+    return json.loads(path.read_text())
+
+
+def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
+          init_from: str | Path | None = None, progress: bool = True, log: Any = print) -> dict[str, Any]:
+    """Train ``cfg.arch`` for ``cfg.minutes`` (or ``cfg.max_steps``) and save to ``out_dir``; returns the state.
+
+    ``resume`` continues a saved run (model, optimizer, curriculum stage, step); ``init_from`` seeds a new
+    hybrid from a trained attention model. The returned state holds the learning curve.
+    """
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(cfg.threads)
+    out = Path(out_dir)
+    tokenizer = build_tokenizer()
+    if resume is not None:
+        state = load_state(resume)
+        if state["config"]["arch"] != cfg.arch:
+            raise TrainError(f"resume directory {str(resume)!r} holds a {state['config']['arch']!r} run, not "
+                             f"{cfg.arch!r}; pass --arch {state['config']['arch']}")
+        model = tf.AutoModelForCausalLM.from_pretrained(resume, local_files_only=True, dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = tf.AutoModelForCausalLM.from_config(model_config(cfg, len(tokenizer), tokenizer))
+        state = {"step": 0, "tokens": 0, "seconds": 0.0, "length": cfg.start_length, "curve": [], "stages": [],
+                 "params": sum(p.numel() for p in model.parameters()), "init_from": None}
+        if init_from is not None:
+            state["init_from"] = {"dir": str(init_from), "tensors": _init_from(model, Path(init_from))}
+            log(f"init_from {init_from}: copied {state['init_from']['tensors']} tensors")
+    state["config"] = asdict(cfg)
+    model.config.dtype = "float32"
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if resume is not None and (Path(resume) / OPTIM_FILE).is_file():
+        optimizer.load_state_dict(torch.load(Path(resume) / OPTIM_FILE))
+    windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
+    first_windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
+    length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
+    stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
+    losses: list[float] = []
+    bar = tqdm(total=round(budget), unit="s", disable=not progress, mininterval=10, desc=f"train {cfg.arch}")
+    step = step0
+    while True:
+        elapsed = time.monotonic() - t_start
+        if elapsed >= budget or (cfg.max_steps is not None and step - step0 >= cfg.max_steps):
+            break
+        ids, weights, row_tasks = make_batch(cfg, length, step, tokenizer)
+        for group in optimizer.param_groups:
+            group["lr"] = _lr(cfg, step - step0, elapsed)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
+        logits = logits.float()
+        ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (ce * weights[:, 1:]).sum() / weights[:, 1:].sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        has, exact, first = answer_stats(logits.detach(), ids, weights, cfg.answer_weight)
+        for r, task in enumerate(row_tasks):
+            if has[r]:
+                windows[task].append(float(exact[r]))
+                first_windows[task].append(float(first[r]))
+        losses.append(loss.item())
+        step += 1
+        state["tokens"] += int(ids.numel())
+        now = time.monotonic()
+        bar.update(round(now - t_start) - bar.n)
+        em = {t: sum(w) / len(w) for t, w in windows.items() if w}
+        gate = [em.get(t, 0.0) for t in GATE_TASKS if t in stage_tasks(length, tokenizer)]
+        full = all(len(windows[t]) >= cfg.window // 2 for t in GATE_TASKS)
+        if (step - step0) % cfg.log_every == 0:
+            point = {"step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                     "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
+                     "exact": {t: round(v, 3) for t, v in em.items()},
+                     "first_token": {t: round(sum(w) / len(w), 3) for t, w in first_windows.items() if w}}
+            state["curve"].append(point)
+            losses = []
+            bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
+            log(json.dumps(point))
+        patience = now - stage_start > cfg.stage_patience_min * 60 and em.get("niah_single", 0) >= cfg.advance_at
+        if length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience):
+            state["stages"].append({"length": length, "step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                                    "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS}})
+            log(f"advance: length {length} -> {2 * length} at step {step} ({state['stages'][-1]})")
+            length = min(2 * length, cfg.max_length)
+            stage_start = now
+            for w in (*windows.values(), *first_windows.values()):
+                w.clear()
+        state["step"], state["length"] = step, length
+        if now - last_save > cfg.save_every_min * 60:
+            _save(model, tokenizer, optimizer, out, {**state, "seconds": state["seconds"] + now - t_start})
+            last_save = now
+    bar.close()
+    state["seconds"] += time.monotonic() - t_start
+    model.eval()
+    _save(model, tokenizer, optimizer, out, state)
+    return state
+
+
+__all__ = ["ARCHS", "GATE_TASKS", "TASK_MIX", "TrainConfig", "TrainError", "load_state", "make_batch",
+           "model_config", "train"]
