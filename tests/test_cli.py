@@ -88,3 +88,35 @@ def test_report_writes_html_and_summary(tmp_path):
     assert "Qwen3.5-0.8B shape" in html and "<img" in html
     assert summary["model_state"]["Qwen3.5-0.8B shape (bf16)"]["checkpoint_bytes"] == 19759104
     assert (tmp_path / "r" / "model_state_bytes.png").stat().st_size > 1000
+
+
+def test_plan_compares_methods_from_weights_and_trace(tmp_path):
+    import numpy as np
+
+    from kvstate.workloads.traces import generate, write_trace
+
+    w = np.zeros(1001)
+    w[0], w[700], w[1000] = 6, 3, 1
+    np.save(tmp_path / "w.npy", w)
+    res = runner.invoke(app, ["plan", "--weights", str(tmp_path / "w.npy"), "--slots", "2", "--json",
+                              "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output.strip().splitlines()[-1])
+    assert data["methods"]["optimal"]["positions"] == [700, 1000]
+    assert data["methods"]["optimal"]["expected_recompute"] == 0.0
+    assert all(m["expected_recompute"] >= 0.0 for m in data["methods"].values())
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    write_trace(tmp_path / "t.jsonl", generate("quality", 30, seed=0, scale=0.02))
+    res = runner.invoke(app, ["plan", "--trace", str(tmp_path / "t.jsonl"), "--slots", "4", "--method", "optimal"])
+    assert res.exit_code == 0, res.output and "optimal" in res.output
+
+
+def test_plan_bad_input_exits_2(tmp_path):
+    (tmp_path / "t.jsonl").write_text('{"overlap": 3, "length": 9}\nnot json\n')
+    res = _run_cli("plan", "--trace", str(tmp_path / "t.jsonl"), "--slots", "2")
+    assert res.returncode == 2 and "t.jsonl:2" in res.stderr
+    import numpy as np
+
+    np.save(tmp_path / "w.npy", np.array([1.0, -1.0, 2.0]))
+    res = _run_cli("plan", "--weights", str(tmp_path / "w.npy"), "--slots", "2")
+    assert res.returncode == 2 and "weights" in res.stderr

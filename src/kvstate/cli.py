@@ -84,6 +84,78 @@ def report(
     console.print(f"report written: {index} and {out / 'summary.json'}")
 
 
+@app.command()
+def plan(
+    slots: Annotated[int, typer.Option("--slots", help="Checkpoint slots M.")],
+    weights: Annotated[Path | None, typer.Option("--weights", help="A .npy of overlap-depth weights (length N+1).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="A JSONL trace (see kvstate.workloads.traces).")] = None,
+    prefix_id: Annotated[str | None, typer.Option("--prefix-id", help="Only this prefix's requests of the trace.")] = None,
+    method: Annotated[list[str] | None, typer.Option("--method", help="Methods to compare (default: all).")] = None,
+    align: Annotated[int, typer.Option("--align", help="Checkpoints on multiples of this (chunk size).")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of weights and checkpoints.")] = None,
+) -> None:
+    """Checkpoint positions and expected recompute per placement method, side by side (seed 000)."""
+    import numpy as np
+
+    from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints
+    from kvstate.workloads.traces import overlap_weights, read_trace
+
+    if (weights is None) == (trace is None):
+        raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
+    if weights is not None:
+        if not weights.is_file():
+            raise KVStateError(f"--weights {str(weights)!r} does not exist.")
+        try:
+            w = np.load(weights, allow_pickle=False)
+        except ValueError as exc:
+            raise KVStateError(f"--weights {str(weights)!r} is not a .npy array: {exc}") from exc
+    else:
+        assert trace is not None
+        w = overlap_weights(read_trace(trace), prefix_id)
+    methods = method or list(METHODS)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise KVStateError(f"--method {unknown} unknown; choose from {list(METHODS)}.")
+    try:
+        plans = {m: plan_checkpoints(w, slots, m, align) for m in methods}
+    except ValueError as exc:
+        raise KVStateError(str(exc)) from exc
+    rows = {m: {"positions": p, "expected_recompute": expected_recompute(w, p)} for m, p in plans.items()}
+    if plot_path is not None:
+        _plot_plan(plot_path, w, plans)
+    if as_json:
+        print(json.dumps({"n": len(w) - 1, "slots": slots, "align": align, "methods": rows}))
+        return
+    table = Table(title=f"checkpoint placement: N={len(w) - 1}, M={slots}, align={align}")
+    table.add_column("method")
+    table.add_column("expected recompute (tokens)", justify="right")
+    table.add_column("positions")
+    for m, r in rows.items():
+        pos = r["positions"]
+        shown = ", ".join(map(str, pos[:12])) + (" …" if len(pos) > 12 else "")
+        table.add_row(m, f"{r['expected_recompute']:,.1f}", shown)
+    console.print(table)
+
+
+def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.fill_between(range(len(w)), w / max(w.sum(), 1e-12), step="mid", alpha=0.4, label="overlap-depth weight")
+    for k, (m, pos) in enumerate(plans.items()):
+        ax.scatter(pos, [-(k + 1) * 0.02 * max(w / max(w.sum(), 1e-12))] * len(pos), marker="|", s=80, label=m)
+    ax.set_xlabel("depth t (tokens)")
+    ax.set_ylabel("weight")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     try:
         app()  # standalone: click handles usage errors itself (exit code 2)
