@@ -156,6 +156,16 @@ def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ign
     plt.close(fig)
 
 
+def _register_model_commands() -> None:
+    from kvstate.cli_models import eval_command, train_command
+
+    app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
+    app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
+
+
+_register_model_commands()
+
+
 def main() -> None:
     try:
         app()  # standalone: click handles usage errors itself (exit code 2)
