@@ -2,12 +2,14 @@
 
 Recipe (issue 4, measured on a 2-core CPU): bf16 autocast + SDPA, AdamW at lr 1e-3, answer tokens
 weighted x10, and a *context-length curriculum* that starts at 64 tokens and doubles the length
-whenever the gate tasks (``niah_single``, ``niah_multikey``) pass ``advance_at`` answer exact match.
-Exact match is measured on each fresh training batch *before* the update, row by row: a row counts
-when every answer token is the argmax under teacher forcing, which is exactly when greedy decoding
-reproduces the target (by induction over the answer), so it is the eval metric for free. Per-token
-teacher-forced accuracy is not used: once the first digit is given, the rest is a copy, and it reads
-0.85 while multi-key retrieval is at chance.
+whenever the gate tasks (``niah_single``, ``niah_multikey``) pass ``advance_at`` first-answer-token
+accuracy (or whole-answer exact match, ``advance_metric="exact"``), or after ``stage_patience_min``
+once their mean passes ``patience_floor``. Both are measured on each fresh training batch *before* the
+update, row by row: exact match counts a row when every answer token is the argmax under teacher
+forcing, which is exactly when greedy decoding reproduces the target (by induction over the answer),
+so it is the eval metric for free; the first answer token (which needle) cannot be copied from the
+answer itself. Per-token teacher-forced accuracy is not used: once the first digit is given, the
+rest is a copy, and it reads 0.85 while multi-key retrieval is at chance.
 
 Multi-needle documents are mixed in from the first stage: at 64 tokens the multi-needle tasks use
 two needles instead of four (:func:`stage_task_config`). Training is resumable: every save writes the
@@ -69,9 +71,11 @@ class TrainConfig:
     decay_fraction: float = 0.15  # last fraction of `minutes` decays lr linearly to 10%
     weight_decay: float = 0.01
     answer_weight: float = 10.0
-    advance_at: float = 0.75  # gate-task exact match that doubles the length
+    advance_at: float = 0.75  # gate-task accuracy (advance_metric) that doubles the length
+    advance_metric: str = "first_token"  # "first_token" (first answer token right) or "exact" (whole answer)
     window: int = 96  # rows per gate task averaged for the curriculum decision
-    stage_patience_min: float = 8.0  # advance on niah_single alone after this long in a stage
+    stage_patience_min: float = 6.0  # after this long in a stage, advance once the mean gate metric passes
+    patience_floor: float = 0.6  # ... this floor (a plateau below advance_at must not stall the curriculum)
     bf16: bool = True
     threads: int = 2
     max_steps: int | None = None  # stop early (tests)
@@ -102,6 +106,8 @@ class TrainConfig:
         if not 0.0 < self.advance_at <= 1.0 or not 0.0 <= self.decay_fraction < 1.0:
             raise TrainError(f"TrainConfig: advance_at={self.advance_at} must be in (0, 1] and "
                              f"decay_fraction={self.decay_fraction} in [0, 1)")
+        if self.advance_metric not in ("first_token", "exact"):
+            raise TrainError(f"TrainConfig.advance_metric={self.advance_metric!r} must be 'first_token' or 'exact'")
         if self.lr <= 0 or self.threads < 1 or self.window < 1:
             raise TrainError("TrainConfig: lr, threads and window must be positive")
 
@@ -300,21 +306,24 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
         now = time.monotonic()
         bar.update(round(now - t_start) - bar.n)
         em = {t: sum(w) / len(w) for t, w in windows.items() if w}
-        gate = [em.get(t, 0.0) for t in GATE_TASKS if t in stage_tasks(length, tokenizer)]
+        ft = {t: sum(w) / len(w) for t, w in first_windows.items() if w}
+        metric = ft if cfg.advance_metric == "first_token" else em
+        gate = [metric.get(t, 0.0) for t in GATE_TASKS]
         full = all(len(windows[t]) >= cfg.window // 2 for t in GATE_TASKS)
         if (step - step0) % cfg.log_every == 0:
             point = {"step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
                      "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
                      "exact": {t: round(v, 3) for t, v in em.items()},
-                     "first_token": {t: round(sum(w) / len(w), 3) for t, w in first_windows.items() if w}}
+                     "first_token": {t: round(v, 3) for t, v in ft.items()}}
             state["curve"].append(point)
             losses = []
             bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
             log(json.dumps(point))
-        patience = now - stage_start > cfg.stage_patience_min * 60 and em.get("niah_single", 0) >= cfg.advance_at
+        patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
         if length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience):
             state["stages"].append({"length": length, "step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
-                                    "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS}})
+                                    "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS},
+                                    "first_token": {t: round(ft.get(t, 0.0), 3) for t in GATE_TASKS}})
             log(f"advance: length {length} -> {2 * length} at step {step} ({state['stages'][-1]})")
             length = min(2 * length, cfg.max_length)
             stage_start = now
