@@ -16,7 +16,8 @@ two needles instead of four (:func:`stage_task_config`). Training is resumable: 
 model, the tokenizer, ``training_state.json`` (curriculum stage, step, learning curve) and
 ``optimizer.pt``; ``resume=DIR`` continues from them. The hybrid can start from a trained attention
 model (``init_from``): tensors whose names and shapes match are copied (embeddings, MLPs, norms,
-attention k/v/o), which gives the Gated DeltaNet layers a working token representation to learn on.
+attention q/k/v/o) and the Gated DeltaNet output projections start at zero, so the hybrid starts from
+a working token representation instead of random residual noise.
 Ignored: data-parallel / multi-device training, mixed lengths within one batch.
 """
 
@@ -130,7 +131,9 @@ def model_config(cfg: TrainConfig, vocab_size: int, tokenizer: Any) -> Any:
     if cfg.arch == "attn":
         return tf.Qwen3Config(**common)
     heads = cfg.num_heads
-    return tf.Qwen3_5TextConfig(**common, full_attention_interval=4, linear_num_key_heads=heads,
+    # full rotary (Qwen3.5 defaults to 0.25) so attention weights copied from ref-attn see the same positions
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    return tf.Qwen3_5TextConfig(**common, rope_parameters=rope, full_attention_interval=4, linear_num_key_heads=heads,
                                 linear_num_value_heads=heads, linear_key_head_dim=cfg.hidden_size // heads,
                                 linear_value_head_dim=cfg.hidden_size // heads, linear_conv_kernel_dim=4)
 
@@ -189,7 +192,11 @@ def answer_stats(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 
 def _init_from(model: Any, source_dir: Path) -> int:
-    """Copy every tensor of ``source_dir``'s model whose name (layer index rescaled) and shape match."""
+    """Copy every tensor of ``source_dir``'s model whose name (layer index rescaled) and shape match.
+
+    Gated attention's query half of ``q_proj`` takes the source query; the recurrent layers' output
+    projections start at zero so they add nothing until trained. Returns the number of tensors copied.
+    """
     src = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True).state_dict()
     n_src = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("model.layers."))
     n_dst = model.config.num_hidden_layers
@@ -202,12 +209,24 @@ def _init_from(model: Any, source_dir: Path) -> int:
                 parts = name.split(".")
                 parts[2] = str(int(parts[2]) * n_src // n_dst)
                 key = ".".join(parts)
-            if key in src and src[key].shape == param.shape:
+            if key.endswith("self_attn.q_proj.weight") and key in src and param.shape[0] == 2 * src[key].shape[0]:
+                # Qwen3.5 gated attention: per head [query | gate]; copy the query, gate 0 (sigmoid 1/2)
+                hd = model.config.head_dim
+                view = param.view(-1, 2 * hd, param.shape[1])  # (H, 2*hd, hidden)
+                view[:, :hd] = src[key].view(-1, hd, param.shape[1])
+                view[:, hd:] = 0.0
+                copied += 1
+            elif key.endswith("self_attn.o_proj.weight") and key in src and src[key].shape == param.shape:
+                param.copy_(2.0 * src[key])  # undo the gate's 1/2
+                copied += 1
+            elif key in src and src[key].shape == param.shape:
                 value = src[key].to(param.dtype)
                 if name.removesuffix(".weight") in zero_centered:  # Qwen3.5 norms scale by (1 + w)
                     value = value - 1.0
                 param.copy_(value)
                 copied += 1
+            elif name.endswith("linear_attn.out_proj.weight"):
+                param.zero_()  # new Gated DeltaNet branches start silent: the copied residual stream is kept
     return copied
 
 
