@@ -1,0 +1,144 @@
+"""Vectorised upper convex hull of x-sorted points — the convex-hull-trick engine behind the exact
+placement DP of seed 000 (Theorem 2) in :mod:`kvstate.prefix.placement`.
+
+``upper_hull(x, y)`` returns the vertices of the upper hull of points with strictly increasing ``x``.
+A sequential monotone chain is ``O(n)`` but a Python loop over 10^5 points per DP layer is too slow,
+so the hull is found with whole-array NumPy steps:
+
+1. drop every reflex vertex (on or below the chord of its two neighbours) at once — safe, since such
+   a point is never a hull vertex. Only survivors next to a dropped point can turn reflex, so after
+   the first full pass only those "suspects" are re-tested.
+2. when dropping stalls — a far point dominating a long concave run would peel one vertex per pass —
+   the chain is a few concave runs; each pair of adjacent runs is joined by its bridge (upper common
+   tangent), found for all pairs at once by the Overmars–van Leeuwen simultaneous binary search
+   (``O(log n)`` vectorised steps), and the points under each bridge are dropped.
+
+A chain with no reflex vertex is concave, hence is the upper hull. Every step only removes points
+lying under a segment between two remaining points, so the result is exact up to float rounding of
+the orientation tests. Ignores: lower hulls and unsorted input (callers pass sorted grids).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+# bridge the runs once reflex vertices are at most max(_MIN_BRIDGE, chain >> _BRIDGE_SHIFT)
+_MIN_BRIDGE = 16
+_BRIDGE_SHIFT = 7
+
+
+def upper_hull(x: FloatArray, y: FloatArray) -> IntArray:
+    """Indices of the upper-hull vertices of ``(x[i], y[i])``, ``x`` strictly increasing, in order.
+
+    Collinear middle points are dropped, so consecutive hull edges have strictly decreasing slopes.
+    """
+    # cross >= 0: the middle point is on or below the chord of its neighbours (not a vertex)
+    cross = (x[1:-1] - x[:-2]) * (y[2:] - y[:-2]) - (y[1:-1] - y[:-2]) * (x[2:] - x[:-2])
+    reflex = np.flatnonzero(cross >= 0) + 1
+    chain = np.arange(x.size, dtype=np.int64)  # surviving point indices, in x order
+    while reflex.size:
+        drop = np.zeros(chain.size + 1, dtype=np.int64)
+        drop[reflex] += 1
+        drop[reflex + 1] -= 1
+        # Few reflex vertices left: the chain is a few concave runs, possibly a long run dominated by
+        # a far point that plain drops would peel one vertex per pass — bridge the runs instead.
+        if reflex.size <= max(_MIN_BRIDGE, chain.size >> _BRIDGE_SHIFT):
+            p, q = _run_bridges(x, y, chain, reflex)
+            drop[p + 1] += 1  # drop chain positions p+1 .. q-1 (covers the reflex vertices between)
+            drop[q] -= 1
+        kept = np.flatnonzero(np.cumsum(drop[:-1]) <= 0)
+        chain = chain.take(kept)  # take() with indices is much faster than a boolean mask here
+        # only survivors next to a dropped point can have turned reflex
+        gap = np.flatnonzero(np.diff(kept) > 1)
+        mark = np.zeros(chain.size, dtype=bool)
+        mark[gap] = mark[gap + 1] = True
+        mark[0] = mark[-1] = False  # the end points are always vertices
+        mid = np.flatnonzero(mark)
+        reflex = mid[_orient(x, y, chain.take(mid - 1), chain.take(mid), chain.take(mid + 1)) >= 0]
+    return chain
+
+
+def _orient(x: FloatArray, y: FloatArray, a: IntArray, b: IntArray, c: IntArray) -> FloatArray:
+    """Orientation of (a, b, c): > 0 when b lies strictly above the line a -> c (x_a < x_b < x_c)."""
+    xa, ya = x.take(a), y.take(a)
+    res: FloatArray = (x.take(b) - xa) * (y.take(c) - ya) - (y.take(b) - ya) * (x.take(c) - xa)
+    return res
+
+
+def _run_bridges(
+    x: FloatArray, y: FloatArray, chain: IntArray, reflex: IntArray
+) -> tuple[IntArray, IntArray]:
+    """Bridges between adjacent concave runs, the runs being the maximal stretches free of ``reflex``.
+
+    Returns chain positions ``(p, q)`` per settled pair; pairs the search could not settle are left out.
+    """
+    step = np.diff(reflex) > 1
+    first = np.concatenate(([True], step))  # first reflex vertex of each gap between runs
+    last = np.concatenate((step, [True]))
+    starts = np.concatenate(([0], reflex[last] + 1))
+    ends = np.concatenate((reflex[first] - 1, [chain.size - 1]))
+    p, q = _bridges(x, y, chain, starts[:-1], ends[:-1], starts[1:], ends[1:])
+    ok = p >= 0
+    return p[ok], q[ok]
+
+
+def _bridges(
+    x: FloatArray, y: FloatArray, chain: IntArray, sa: IntArray, ea: IntArray, sb: IntArray, eb: IntArray
+) -> tuple[IntArray, IntArray]:
+    """Bridge ``(p, q)`` between concave runs ``chain[sa..ea]`` and ``chain[sb..eb]``, per pair.
+
+    Simultaneous binary search (Overmars & van Leeuwen): with ``L`` the line through the midpoints
+    ``a_i`` and ``b_j``,
+
+    * ``a_{i-1}`` above L → p < i;  a_i supports A (no neighbour above) → p <= i
+    * ``b_{j+1}`` above L → q > j;  b_j supports B → q >= j
+    * ``a_{i+1}`` above L and b_j supports → p > i (and mirrored for B)
+    * ``a_{i+1}`` and ``b_{j-1}`` both above L: compare the two edge lines at the separator x —
+      A's line higher → p > i, B's line higher → q < j.
+
+    Each step halves one range, so ``O(log n)`` steps. ``p = q = -1`` marks a pair the search could
+    not settle (only possible through rounding in near-collinear input); callers then keep its points.
+    """
+    lo_a, hi_a, lo_b, hi_b = sa.copy(), ea.copy(), sb.copy(), eb.copy()
+    p = np.full(sa.size, -1, dtype=np.int64)
+    q = np.full(sa.size, -1, dtype=np.int64)
+    sep = 0.5 * (x.take(chain.take(ea)) + x.take(chain.take(sb)))
+    pair = np.arange(sa.size)  # pairs still searching
+    for _ in range(4 * int(np.log2(chain.size + 1)) + 8):
+        i, j = (lo_a + hi_a) >> 1, (lo_b + hi_b) >> 1
+        # rows: a_i, b_j, then neighbours a_{i-1}, a_{i+1}, b_{j-1}, b_{j+1} clamped to their run
+        pos = np.stack(
+            (i, j, np.maximum(i - 1, sa), np.minimum(i + 1, ea), np.maximum(j - 1, sb), np.minimum(j + 1, eb))
+        )
+        pts = chain.take(pos)
+        px, py = x.take(pts), y.take(pts)  # (6, pairs)
+        xa, ya, xb, yb = px[0], py[0], px[1], py[1]
+        above = (xb - xa) * (py[2:] - ya) - (yb - ya) * (px[2:] - xa) > 0
+        above &= pos[2:] != pos[[0, 0, 1, 1]]  # a clamped neighbour is the point itself
+        a_left, a_right, b_left, b_right = above
+        a_sup, b_sup = ~(a_left | a_right), ~(b_left | b_right)
+        done = a_sup & b_sup
+        p[pair[done]], q[pair[done]] = i[done], j[done]
+        hi_a = np.where(a_left, i - 1, np.where(a_sup, i, hi_a))
+        lo_b = np.where(b_right, j + 1, np.where(b_sup, j, lo_b))
+        lo_a = np.where(a_right & b_sup, i + 1, lo_a)
+        hi_b = np.where(b_left & a_sup, j - 1, hi_b)
+        both = a_right & b_left
+        if both.any():
+            # edge lines a_i a_{i+1} and b_{j-1} b_j evaluated at the separator between the runs
+            line_a = ya + (py[3] - ya) / np.where(both, px[3] - xa, 1.0) * (sep - xa)
+            line_b = yb - (yb - py[4]) / np.where(both, xb - px[4], 1.0) * (xb - sep)
+            lo_a = np.where(both & (line_a >= line_b), i + 1, lo_a)
+            hi_b = np.where(both & (line_a <= line_b), j - 1, hi_b)
+        # rounding can empty a range; such a pair is dropped unsettled
+        live = ~done & (lo_a <= hi_a) & (lo_b <= hi_b)
+        if not live.all():
+            if not live.any():
+                break
+            pair, sa, ea, sb, eb, sep = pair[live], sa[live], ea[live], sb[live], eb[live], sep[live]
+            lo_a, hi_a, lo_b, hi_b = lo_a[live], hi_a[live], lo_b[live], hi_b[live]
+    return p, q

@@ -1,0 +1,268 @@
+"""Checkpoint placement inside one retained prefix — seed 000 (sparse prefix caching), §1 of SPEC.md.
+
+A prefix of ``N`` tokens may keep at most ``M`` recurrent-state checkpoints; position ``c`` is the
+state after the first ``c`` tokens. A future request overlapping the prefix to depth ``t`` restores
+the deepest checkpoint ``l(t; C) = max({0} ∪ {c in C: c <= t})`` and recomputes ``r(t; C) = t - l``
+tokens. Given overlap-depth weights ``w_t`` (t = 0..N) we minimise ``sum_t w_t r(t; C)``
+(the one-sided weighted k-median on a line).
+
+Methods: ``optimal`` (exact DP, Theorem 2), ``balanced`` (even spacing, optimal for uniform weights,
+Theorem 1) and the paper's baselines ``block``, ``log``, ``sqrt``, plus ``junction`` (Marconi-style:
+checkpoint the most frequent overlap depths).
+
+The exact DP works on savings instead of cost. With ``G(c) = sum_{t >= c} w_t`` and ``c_0 = 0``,
+``sum_t w_t l(t; C) = sum_k (c_k - c_{k-1}) G(c_k)`` (Abel summation), so with ``f_m[j]`` the best
+savings of at most ``m`` checkpoints whose deepest is ``j``::
+
+    f_m[j] = g_j G_j + max_i ( f_{m-1}[i] - g_i G_j )          (i = 0 is the empty set, f = 0)
+
+a max of lines with slopes ``-g_i`` queried at ``x = G_j``. The max may range over *all* ``i``, not only
+``i < j``: a set ending at ``i >= j`` truncated below ``j`` is never worse (G is non-increasing), so
+the unconstrained envelope equals the constrained one. Each layer is therefore one upper convex hull
+of ``(g_i, f_{m-1}[i])`` plus one merge of sorted query points — ``O(K)`` work per layer after a
+``searchsorted`` (``O(K log K)`` in C), ``K = N // align`` grid points. The hull is built with
+vectorised passes that drop reflex vertices; where a pass stalls (a long concave run dominated by a
+far point, which would otherwise peel one vertex per pass) the concave runs are joined by
+Overmars–van Leeuwen bridges found with a vectorised ``O(log K)`` binary search. Depths beyond the last
+checkpoint and before the first one need no special case in this form.
+
+Ignores: admission/eviction across entries (that is the store's job) and prefix trees (see
+:mod:`kvstate.prefix.tree_placement`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvstate.prefix.envelope import upper_hull
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+METHODS: tuple[str, ...] = ("optimal", "balanced", "block", "log", "sqrt", "junction")
+
+
+def _weights(weights: npt.ArrayLike) -> FloatArray:
+    """Validate overlap-depth weights and return them as float64 scaled to sum 1."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"weights: cannot be read as numbers ({exc}); pass a 1-D array of floats") from None
+    if w.ndim != 1 or w.size < 2:
+        raise ValueError(
+            f"weights: expected a 1-D array of length N+1 >= 2 (one weight per overlap depth 0..N), "
+            f"got shape {w.shape}; pass np.asarray(weights).ravel() of the per-depth weights"
+        )
+    if not np.all(np.isfinite(w)):
+        raise ValueError("weights: contains NaN or inf; pass finite per-depth weights")
+    if np.any(w < 0):
+        raise ValueError(
+            f"weights: contains negative entries (min {w.min():g}); pass probabilities or counts >= 0"
+        )
+    total = float(w.sum())
+    if total <= 0.0:
+        raise ValueError(
+            "weights: all zero, so no overlap depth has any probability and every placement costs the "
+            "same; pass at least one positive weight (e.g. a uniform prior np.ones(N+1)) or use "
+            "OverlapHistogram with alpha > 0 before any request was observed"
+        )
+    scaled: FloatArray = w / total
+    return scaled
+
+
+def _check_slots_align(slots: int, align: int, n: int) -> None:
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
+        raise ValueError(f"slots: must be an int >= 0 (number of checkpoints to keep), got {slots!r}")
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or not 1 <= align <= n:
+        raise ValueError(
+            f"align: must be an int in 1..N={n} (positions are multiples of align, e.g. the model's "
+            f"chunk size), got {align!r}"
+        )
+
+
+def plan_checkpoints(
+    weights: npt.ArrayLike,
+    slots: int,
+    method: str = "optimal",
+    align: int = 1,
+    *,
+    block_size: int = 64,
+) -> list[int]:
+    """Choose at most ``slots`` checkpoint positions in ``1..N`` (multiples of ``align``).
+
+    ``weights[t] >= 0`` is the probability (or count) that a request overlaps the prefix to depth
+    exactly ``t``; it need not sum to 1 but must not be all zero (ValueError). Returns sorted,
+    distinct positions. ``optimal`` may return fewer than ``slots`` positions when more cannot lower
+    the expected recompute (e.g. no weight lies beyond them); every other method ignores the weights
+    except ``junction``. ``block_size`` is used by ``block`` only (rounded up to a multiple of align).
+    """
+    w = _weights(weights)
+    n = w.size - 1
+    _check_slots_align(slots, align, n)
+    if method not in METHODS:
+        raise ValueError(f"method: unknown {method!r}; choose one of {', '.join(METHODS)}")
+    slots, align = int(slots), int(align)
+    if slots == 0:
+        return []
+    grid_size = n // align
+    if method == "optimal":
+        return _optimal(w, slots, align)
+    if method == "balanced":
+        return _balanced(n, slots, align)
+    if method == "block":
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise ValueError(f"block_size: must be an int >= 1 (tokens per block), got {block_size!r}")
+        step = -(-int(block_size) // align) * align  # round up to the grid
+        return list(range(step, n + 1, step))[:slots]
+    if method == "log":
+        dyadic = [align << k for k in range(grid_size.bit_length())]  # align * 2^k <= N
+        return dyadic[-slots:]
+    if method == "sqrt":
+        step = math.isqrt(n)
+        step += step * step < n  # ceil(sqrt N)
+        step = -(-step // align) * align
+        return list(range(step, n + 1, step))[:slots]
+    return _junction(w, slots, align)
+
+
+def expected_recompute(weights: npt.ArrayLike, positions: Iterable[int]) -> float:
+    """``sum_t w_t (t - l(t; C)) / sum_t w_t`` — expected tokens recomputed per request."""
+    w = _weights(weights)
+    n = w.size - 1
+    c = _positions(positions, n)
+    depth = np.arange(n + 1)
+    # deepest checkpoint <= t (0 = start from scratch)
+    idx = np.searchsorted(c, depth, side="right")  # number of checkpoints <= t
+    served = np.concatenate(([0], c))[idx]
+    return float(np.dot(w, depth - served))
+
+
+def _positions(positions: Iterable[int], n: int) -> IntArray:
+    c = np.unique(np.asarray(list(positions), dtype=np.int64))
+    if c.size and (c[0] < 1 or c[-1] > n):
+        raise ValueError(
+            f"positions: checkpoint positions must lie in 1..N={n} (c = state after the first c tokens), "
+            f"got min {int(c[0])}, max {int(c[-1])}"
+        )
+    return c
+
+
+def _balanced(n: int, slots: int, align: int) -> list[int]:
+    """Even spacing on the grid: optimal for uniform weights (Theorem 1).
+
+    Stretch lengths ``L_0 = c_1, L_k = c_{k+1} - c_k, L_M = N + 1 - c_M`` sum to ``N + 1`` and cost
+    ``L (L - 1) / 2`` each under uniform weights; the first ``M`` are multiples of ``align``. For each
+    total ``s`` grid steps taken by the first ``M`` stretches the convex cost is minimised by splitting
+    ``s`` as evenly as possible, so we scan every ``s`` in closed form and keep the cheapest. At the
+    optimum all ``M + 1`` stretches differ by at most one grid step.
+    """
+    m = min(slots, n // align)
+    s = np.arange(m, n // align + 1, dtype=np.int64)  # grid steps used by the first m stretches
+    q, r = np.divmod(s, m)
+    big, small, last = (q + 1) * align, q * align, n + 1 - s * align
+    cost = r * big * (big - 1) + (m - r) * small * (small - 1) + last * (last - 1)
+    best = int(s[int(np.argmin(cost))])
+    q0, r0 = divmod(best, m)
+    steps = [q0 + 1] * r0 + [q0] * (m - r0)  # larger stretches first
+    return [int(v) * align for v in np.cumsum(steps)]
+
+
+def _junction(w: FloatArray, slots: int, align: int) -> list[int]:
+    """Marconi-style: the ``slots`` grid cells holding the most overlap mass (depth >= 1, snapped down)."""
+    n = w.size - 1
+    grid = np.arange(align, n + 1, align)
+    cell = np.add.reduceat(w, grid)  # mass of depths [g, g + align), last cell up to N
+    order = np.lexsort((-grid, -cell))  # most mass first, deeper first on ties
+    chosen = grid[order[cell[order] > 0][:slots]]
+    return sorted(int(v) for v in chosen)
+
+
+def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
+    """Exact layered DP over the grid (see module docstring); ``O(M K log K)`` time, ``O(M K)`` memory."""
+    n = w.size - 1
+    survival = np.cumsum(w[::-1])[::-1]  # G(t) = mass of depths >= t
+    grid = np.arange(align, n + 1, align)
+    # A grid point whose cell [g, g + align) holds no mass is dominated by the next one (moving a
+    # checkpoint deeper through an empty cell never loses), so only cells with mass are candidates.
+    cand = grid[np.add.reduceat(w, grid) > 0]
+    if cand.size <= slots:
+        return [int(v) for v in cand]
+    g = np.concatenate(([0.0], cand.astype(np.float64)))  # line slopes -g_i; index 0 = no checkpoint
+    x = np.concatenate(([0.0], survival[cand]))  # query points G_j, non-increasing in j
+    base = g * x  # g_j G_j: savings of the deepest checkpoint alone
+    f = base.copy()  # layer 1: one checkpoint
+    args: list[npt.NDArray[np.int32]] = [np.zeros(g.size, dtype=np.int32)]
+    neg_x = -x  # non-decreasing
+    for _ in range(2, slots + 1):
+        hull = upper_hull(g, f)
+        gh, fh = g.take(hull), f.take(hull)
+        # line hull[k] is best for x in [slope[k], slope[k-1]]: k = #{slopes > x}; ties go shallower
+        slope = np.diff(fh) / np.diff(gh)  # strictly decreasing
+        if 4 * slope.size < x.size:  # few hull lines: place the breakpoints among the queries instead
+            first = np.searchsorted(neg_x, -slope, side="right")  # first query each breakpoint beats
+            k = np.cumsum(np.bincount(first, minlength=x.size + 1)[: x.size])
+        else:
+            k = np.searchsorted(-slope, neg_x, side="left")
+        nxt = base + (fh.take(k) - gh.take(k) * x)
+        nxt[0] = 0.0
+        if np.array_equal(nxt, f):
+            break  # another slot changes nothing: later layers would repeat this one
+        f = nxt
+        args.append(hull.astype(np.int32).take(k))
+    return _backtrack(f, args, cand)
+
+
+def _backtrack(f: FloatArray, args: Sequence[npt.NDArray[np.int32]], cand: IntArray) -> list[int]:
+    j, m = int(np.argmax(f)), len(args)
+    out: list[int] = []
+    while j > 0:
+        out.append(int(cand[j - 1]))
+        i = int(args[m - 1][j])
+        m -= 1
+        # A predecessor at or beyond j only wins by rounding; its set truncated below j is as good.
+        while i >= j:
+            i = int(args[m - 1][i])
+            m -= 1
+        j = i
+    return sorted(out)
+
+
+def plan_quadratic_dp(weights: npt.ArrayLike, slots: int, align: int = 1) -> list[int]:
+    """Reference ``O(N^2 M)`` DP in the paper's cost form (for benchmarks and tests, not for serving).
+
+    ``dp[m][j] = min(dp[m-1][j], min_{s <= j on the grid} dp[m-1][s-1] + w(s, j))`` with
+    ``w(s, j) = sum_{t=s..j} w_t (t - s)`` from prefix sums, ``dp[0][j] = sum_{t <= j} w_t t``;
+    the answer is ``dp[M][N]``.
+    """
+    w = _weights(weights)
+    n = w.size - 1
+    _check_slots_align(slots, align, n)
+    t = np.arange(n + 1, dtype=np.float64)
+    s0 = np.concatenate(([0.0], np.cumsum(w)))  # s0[j+1] = sum_{t<=j} w_t
+    s1 = np.concatenate(([0.0], np.cumsum(w * t)))
+    grid = np.arange(align, n + 1, align)
+    prev = s1[1:].copy()  # dp[0][j]
+    choice = []
+    for _ in range(min(int(slots), grid.size)):
+        cur = prev.copy()
+        arg = np.full(n + 1, -1, dtype=np.int64)
+        for j in range(align, n + 1):
+            s = grid[: j // align]  # checkpoint s serves depths s..j
+            cand = prev[s - 1] + (s1[j + 1] - s1[s]) - s * (s0[j + 1] - s0[s])
+            b = int(np.argmin(cand))
+            if cand[b] < cur[j]:
+                cur[j], arg[j] = cand[b], s[b]
+        choice.append(arg)
+        prev = cur
+    out: list[int] = []
+    j = n
+    for arg in reversed(choice):
+        last = int(arg[j])
+        if last > 0:
+            out.append(last)
+            j = last - 1
+    return sorted(out)
