@@ -18,13 +18,21 @@ savings of at most ``m`` checkpoints whose deepest is ``j``::
 
 a max of lines with slopes ``-g_i`` queried at ``x = G_j``. The max may range over *all* ``i``, not only
 ``i < j``: a set ending at ``i >= j`` truncated below ``j`` is never worse (G is non-increasing), so
-the unconstrained envelope equals the constrained one. Each layer is therefore one upper convex hull
-of ``(g_i, f_{m-1}[i])`` plus one merge of sorted query points — ``O(K)`` work per layer after a
-``searchsorted`` (``O(K log K)`` in C), ``K = N // align`` grid points. The hull is built with
-vectorised passes that drop reflex vertices; where a pass stalls (a long concave run dominated by a
-far point, which would otherwise peel one vertex per pass) the concave runs are joined by
-Overmars–van Leeuwen bridges found with a vectorised ``O(log K)`` binary search. Depths beyond the last
-checkpoint and before the first one need no special case in this form.
+the unconstrained envelope equals the constrained one and a layer is an *offline* envelope problem:
+one upper convex hull of ``(g_i, f_{m-1}[i])`` plus one merge of the sorted query points. Grid points
+whose cell ``[g, g + align)`` holds no mass are dominated and dropped first (``K <= N // align``).
+
+Complexity, honestly: the paper's ``O(NM)`` uses a sequential monotone convex-hull trick; a Python
+loop of ``N * M`` steps is far too slow here, so each layer is whole-array NumPy work instead — a hull
+from :func:`kvstate.prefix.envelope.upper_hull` (``O(K)`` per pass; a small input-dependent number of
+passes, at most 12 per layer on the benchmark shapes at ``K = 131072``) and a ``searchsorted``
+(``O(K log K)`` in C, the largest single cost). Overall ``O(M K log K)`` time in practice and
+``O(M K)`` int32 back-pointers (32 MiB at ``K = 131072, M = 64``); the layer loop stops early once
+another slot changes nothing. Measured numbers are in ``benchmarks/prefix_planner.py``. Depths
+beyond the last checkpoint and before the first one need no special case in the savings form.
+
+All-zero weights raise ``ValueError``: every placement then costs the same and the expected recompute
+is undefined; callers smooth a cold histogram (``OverlapHistogram(alpha > 0)``) or pass a prior.
 
 Ignores: admission/eviction across entries (that is the store's job) and prefix trees (see
 :mod:`kvstate.prefix.tree_placement`).
@@ -92,13 +100,23 @@ def plan_checkpoints(
     *,
     block_size: int = 64,
 ) -> list[int]:
-    """Choose at most ``slots`` checkpoint positions in ``1..N`` (multiples of ``align``).
+    """Choose at most ``slots`` checkpoint positions in ``1..N`` (multiples of ``align``), sorted.
 
     ``weights[t] >= 0`` is the probability (or count) that a request overlaps the prefix to depth
-    exactly ``t``; it need not sum to 1 but must not be all zero (ValueError). Returns sorted,
-    distinct positions. ``optimal`` may return fewer than ``slots`` positions when more cannot lower
-    the expected recompute (e.g. no weight lies beyond them); every other method ignores the weights
-    except ``junction``. ``block_size`` is used by ``block`` only (rounded up to a multiple of align).
+    exactly ``t`` (t = 0..N); it need not sum to 1 but must not be all zero (ValueError). Methods:
+
+    - ``optimal``: exact minimum of the expected recompute over the grid; returns fewer than ``slots``
+      positions when more cannot lower it (e.g. no weight lies deeper).
+    - ``balanced``: the ``M + 1`` stretches (before the first, between, after the last checkpoint)
+      within one grid step of each other, the uniform-weight optimum (Theorem 1).
+    - ``block``: every multiple of ``block_size`` (rounded up to a multiple of ``align``), the first
+      ``slots``.
+    - ``log``: ``align * 2^k`` (dyadic on the grid), the deepest ``slots``.
+    - ``sqrt``: every multiple of ``ceil(sqrt N)`` rounded up to ``align``, the first ``slots``.
+    - ``junction``: Marconi-style, the ``slots`` grid cells ``[g, g + align)`` with the most overlap
+      mass (deeper first on ties), i.e. the most frequent overlap depths snapped down to the grid.
+
+    Only ``optimal`` and ``junction`` read the weights.
     """
     w = _weights(weights)
     n = w.size - 1
@@ -182,7 +200,7 @@ def _junction(w: FloatArray, slots: int, align: int) -> list[int]:
 
 
 def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
-    """Exact layered DP over the grid (see module docstring); ``O(M K log K)`` time, ``O(M K)`` memory."""
+    """Exact layered DP over the candidate grid points (see the module docstring for the recurrence)."""
     n = w.size - 1
     survival = np.cumsum(w[::-1])[::-1]  # G(t) = mass of depths >= t
     grid = np.arange(align, n + 1, align)
