@@ -267,6 +267,8 @@ def test_bad_positions_and_reference_inputs() -> None:
         expected_recompute(np.ones(5), [0, 2])
     with pytest.raises(ValueError, match=r"positions: checkpoint positions must lie in 1..N=4"):
         expected_recompute(np.ones(5), [5])
+    with pytest.raises(ValueError, match="positions: expected integer checkpoint positions"):
+        expected_recompute(np.ones(5), [1.5])
     with pytest.raises(ValueError, match="weights: all zero"):
         expected_recompute(np.zeros(5), [1])
     with pytest.raises(ValueError, match=r"align: must be an int in 1\.\.N=4"):

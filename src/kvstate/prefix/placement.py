@@ -160,7 +160,12 @@ def expected_recompute(weights: npt.ArrayLike, positions: Iterable[int]) -> floa
 
 
 def _positions(positions: Iterable[int], n: int) -> IntArray:
-    c = np.unique(np.asarray(list(positions), dtype=np.int64))
+    raw = np.asarray(list(positions))
+    if raw.size and (raw.ndim != 1 or not np.all(np.isfinite(raw)) or np.any(raw != np.round(raw))):
+        raise ValueError(
+            f"positions: expected integer checkpoint positions (a 1-D sequence), got {raw.tolist()!r}"
+        )
+    c = np.unique(raw.astype(np.int64))
     if c.size and (c[0] < 1 or c[-1] > n):
         raise ValueError(
             f"positions: checkpoint positions must lie in 1..N={n} (c = state after the first c tokens), "
