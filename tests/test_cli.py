@@ -87,6 +87,8 @@ def test_report_writes_html_and_summary(tmp_path):
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert "Qwen3.5-0.8B shape" in html and "<img" in html
     assert summary["model_state"]["Qwen3.5-0.8B shape (bf16)"]["checkpoint_bytes"] == 19759104
+    assert set(summary["prefix"]) >= {"quality", "chat", "budgets"}
+    assert (tmp_path / "r" / "prefix_savings.png").stat().st_size > 1000
     assert (tmp_path / "r" / "model_state_bytes.png").stat().st_size > 1000
 
 

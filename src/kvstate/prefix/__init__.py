@@ -1,1 +1,46 @@
-"""kvstate.prefix"""
+"""kvstate.prefix — sparse prefix caching for hybrid and recurrent models (seed 000, SPEC §1).
+
+- placement (pure): :func:`plan_checkpoints` (exact DP + baselines), :func:`expected_recompute`;
+- :class:`OverlapHistogram` (pure): decayed overlap-depth histograms, TV distance, Theorem-3 bound;
+- tree placement (pure): one slot budget over a prefix tree (beyond the paper);
+- store (pure bookkeeping) + :class:`SparsePrefixCache` (torch glue): dense attention KV + sparse
+  recurrent checkpoints under one byte budget, exact resume.
+"""
+
+from kvstate.prefix.engine import PrefillResult, SparsePrefixCache
+from kvstate.prefix.eviction import Policy
+from kvstate.prefix.histogram import OverlapHistogram, regret_bound, total_variation
+from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
+from kvstate.prefix.radix import EntryId, RadixIndex
+from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics
+from kvstate.prefix.tree_placement import (
+    PrefixTree,
+    TreePoint,
+    plan_independent,
+    plan_tree,
+    tree_expected_recompute,
+)
+
+__all__ = [
+    "METHODS",
+    "EntryId",
+    "Hit",
+    "OverlapHistogram",
+    "Policy",
+    "PrefillResult",
+    "PrefixStore",
+    "PrefixTree",
+    "RadixIndex",
+    "SparsePrefixCache",
+    "StoreConfig",
+    "StoreMetrics",
+    "TreePoint",
+    "expected_recompute",
+    "plan_checkpoints",
+    "plan_independent",
+    "plan_quadratic_dp",
+    "plan_tree",
+    "regret_bound",
+    "total_variation",
+    "tree_expected_recompute",
+]

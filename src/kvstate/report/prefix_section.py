@@ -1,0 +1,64 @@
+"""Report section: sparse prefix caching (seed 000) — work saved per placement method and budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from kvstate.models import checkpoint_bytes, qwen35_08b_config
+from kvstate.prefix.evaluate import match_block, savings_table, workload_weights
+from kvstate.prefix.placement import METHODS
+from kvstate.report.html import Figure, Section, Table
+from kvstate.workloads.traces import WORKLOADS
+
+BUDGETS = [1, 2, 4, 8, 16, 32]
+ALIGN = 64  # Qwen3.5's Gated DeltaNet chunk size
+
+
+def build(out_dir: Path, models_dir: Path) -> Section:
+    ck = checkpoint_bytes(qwen35_08b_config())
+    rows, summary, match_rows = [], {}, []
+    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(16, 4), sharey=True)
+    for ax, wl in zip(axes, WORKLOADS, strict=True):
+        w = workload_weights(wl, n_requests=400, seed=0)
+        table = savings_table(w, wl, BUDGETS, METHODS, ALIGN)
+        for method in METHODS:
+            pts = [r for r in table if r.method == method]
+            ax.plot([r.slots for r in pts], [r.saved_fraction for r in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_title(wl)
+        ax.set_xlabel("checkpoint slots M")
+        rows += [[r.workload, r.method, r.slots, r.positions, r.saved_fraction] for r in table]
+        n_block, n_opt, frac = match_block(w, 64, ALIGN)
+        match_rows.append([wl, frac, n_block, n_opt, n_block * ck / 2**30, n_opt * ck / 2**30])
+        summary[wl] = {
+            "saved_fraction": {m: [r.saved_fraction for r in table if r.method == m] for m in METHODS},
+            "block64_checkpoints": n_block,
+            "optimal_checkpoints_to_match": n_opt,
+        }
+    axes[0].set_ylabel("share of overlapping tokens not recomputed")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "prefix_savings.png", dpi=100)
+    plt.close(fig)
+    summary["budgets"] = BUDGETS
+    return Section(
+        key="prefix",
+        title="Position: sparse prefix caching (seed 000)",
+        intro=f"Overlap-depth histograms pooled over 400 seeded requests per workload; checkpoints on a "
+        f"{ALIGN}-token grid (Qwen3.5 chunk). Saved = share of overlapping tokens restored instead of "
+        f"recomputed. Bytes use one Qwen3.5-0.8B checkpoint = {ck:,} B.",
+        tables=[
+            Table("Work saved vs checkpoint budget", ["workload", "method", "M", "placed", "saved"], rows),
+            Table("Checkpoints needed to match block-64 caching (one entry of the longest prefix)",
+                  ["workload", "block-64 saved", "block-64 ckpts", "optimal ckpts", "block GiB", "optimal GiB"],
+                  match_rows),
+        ],
+        figures=[Figure("Work saved vs checkpoint slots, per workload", "prefix_savings.png",
+                        "The exact DP is never below any baseline at any budget.")],
+        summary=summary,
+    )
