@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= report
+# pure modules (no torch): mypy --strict
+PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py radix.py eviction.py store.py evaluate.py) src/kvstate/workloads/traces.py
 
 .PHONY: setup demo test lint bench clean
 
@@ -25,7 +27,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/mypy src/kvstate/prefix/placement.py
+	$(BIN)/mypy --strict $(PURE)
 
 bench: $(STAMP)
 	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

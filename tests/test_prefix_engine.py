@@ -126,7 +126,7 @@ def test_append_only_chat_keeps_one_entry():
         res = cache.prefill(convo)
         if turn:  # the last state suffices (kept after L-1 tokens: generate feeds the last one)
             assert res.reused_tokens == prev_len - 1
-        convo.shape[1]
+        prev_len = convo.shape[1]
         convo = torch.cat([convo, random_ids(10, seed=20 + turn)], 1)
     assert len(cache.store) == 1
 

@@ -16,7 +16,7 @@ def test_optimal_dominates_every_baseline_at_every_budget(workload):
     for m in (1, 2, 4, 8):
         at = {r.method: r.saved_fraction for r in rows if r.slots == m}
         assert all(at["optimal"] >= v - 1e-12 for v in at.values()), at
-        assert 0.0 <= min(at.values()) and max(at.values()) <= 1.0
+        assert min(at.values()) >= 0.0 and max(at.values()) <= 1.0
 
 
 def test_match_block_reaches_block_savings_with_fewer_checkpoints():

@@ -61,3 +61,19 @@ def match_block(w: np.ndarray, block: int = 64, align: int = 64) -> tuple[int, i
         else:
             lo = mid + 1
     return len(block_pos), lo, target
+
+
+def match_block_per_entry(workload: str, n_requests: int = 400, seed: int = 0, block: int = 64,
+                          align: int = 64) -> tuple[int, int]:
+    """Per cached entry (one per prefix_id, its own overlap histogram): total checkpoints block caching keeps
+    vs the fewest optimal checkpoints that save as much on every entry."""
+    reqs = generate(workload, n_requests, seed=seed)
+    total_block = total_opt = 0
+    for pid in sorted({r.prefix_id for r in reqs if r.prefix_id is not None}):
+        w = overlap_weights(reqs, pid, length=max(r.length for r in reqs if r.prefix_id == pid))
+        if float(np.dot(w, np.arange(len(w)))) <= 0:
+            continue  # never reused: neither scheme saves anything on it
+        n_block, n_opt, _ = match_block(w, block, align)
+        total_block += n_block
+        total_opt += n_opt
+    return total_block, total_opt

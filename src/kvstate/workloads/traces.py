@@ -41,7 +41,7 @@ class Request:
 
 
 def _rand(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
-    return rng.integers(0, vocab, size=n).tolist()
+    return [int(t) for t in rng.integers(0, vocab, size=n)]
 
 
 def generate(workload: str, n_requests: int, seed: int = 0, vocab: int = 128, scale: float = 1.0) -> list[Request]:
