@@ -181,3 +181,27 @@ def test_drift_replans_and_captures_pending_positions():
     assert cache.metrics.replans >= 1 and entry.planned != before
     assert 36 in entry.planned  # the deepest grid point <= 37 is now planned
     assert 36 in entry.checkpoints  # ... and was captured by a later request
+
+
+def test_a_model_whose_cache_cannot_be_snapshotted_is_refused():
+    import transformers as tf
+
+    from kvstate.errors import UnsupportedModelError
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="supported families"):
+        SparsePrefixCache(gpt2, budget_bytes=MiB)
+
+
+def test_store_bytes_by_kind_add_up():
+    model = get_model("bamba")
+    cache = SparsePrefixCache(model, budget_bytes=64 * MiB, slots_per_entry=2, align=8)
+    cache.prefill(random_ids(50, seed=40))
+    kinds = cache.store.bytes_by_kind()
+    assert sum(kinds.values()) == cache.store.used_bytes
+    assert kinds["attention_kv"] == 50 * cache.store.config.kv_bytes_per_token
+    entry = cache.store.entries()[0]  # the accounting is that of the tensors actually held
+    assert entry.kv.nbytes == kinds["attention_kv"] and entry.final.nbytes == kinds["final_states"]
+    assert all(c.nbytes == cache.store.config.checkpoint_bytes for c in entry.checkpoints.values())
+    assert kinds["final_states"] == cache.store.config.checkpoint_bytes
+    assert kinds["checkpoints"] == len(cache.store.entries()[0].checkpoints) * cache.store.config.checkpoint_bytes > 0
