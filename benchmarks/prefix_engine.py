@@ -20,19 +20,10 @@ import torch
 from kvstate.models import restore_cache, segmented_prefill, snapshot_cache, tiny_model
 from kvstate.models.families import layer_kinds
 
-torch.set_num_threads(2)
-REPEATS = 5
+torch.set_num_threads(1)  # one thread: less sensitive to other load on a shared 2-core machine
+REPEATS = 7
 N = 2048
 ALIGN = 64
-
-
-def median_time(fn, repeats=REPEATS):
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -46,32 +37,33 @@ def main() -> None:
     # warm up
     segmented_prefill(model, ids[:, :256])
 
-    # (d) capture overhead, interleaved
-    plain_t, capture_t = [], []
-    for _ in range(REPEATS):
-        t0 = time.perf_counter()
-        segmented_prefill(model, ids, capture=None)
-        plain_t.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = segmented_prefill(model, ids, cuts=cuts, capture="recurrent")
-        snapshot_cache(out.cache, N, kinds)  # the entry's KV + final state, as the engine stores it
-        capture_t.append(time.perf_counter() - t0)
-    plain, capture = statistics.median(plain_t), statistics.median(capture_t)
-
-    # (c) resume from depth c vs full prefill
     full = segmented_prefill(model, ids, cuts=cuts, capture="full")
-    rows = []
-    for c in [0, *cuts]:
-        if c == 0:
-            t_resume = median_time(lambda: segmented_prefill(model, ids, capture=None))
-            t_restore = 0.0
-        else:
+    depths = [0, *cuts[::2], cuts[-1]]
+    # every configuration is timed once per round, rounds interleaved, medians reported
+    times: dict[str, list[float]] = {k: [] for k in ["plain", "capture", *(f"resume{c}" for c in depths[1:]),
+                                                      *(f"restore{c}" for c in depths[1:])]}
+
+    def timed(key, fn):
+        t0 = time.perf_counter()
+        fn()
+        times[key].append(time.perf_counter() - t0)
+
+    for _ in range(REPEATS):
+        timed("plain", lambda: segmented_prefill(model, ids, capture=None))
+
+        def capture_pass():
+            out = segmented_prefill(model, ids, cuts=cuts, capture="recurrent")
+            snapshot_cache(out.cache, N, kinds)  # the entry's KV + final state, as the engine stores it
+
+        timed("capture", capture_pass)
+        for c in depths[1:]:
             snap = full.snapshots[c]
-            t_restore = median_time(lambda snap=snap: restore_cache(model.config, snap))
-            t_resume = median_time(
-                lambda snap=snap, c=c: segmented_prefill(model, ids, cache=restore_cache(model.config, snap), start=c,
-                                                         capture=None))
-        rows.append((c, t_resume, t_restore))
+            timed(f"restore{c}", lambda snap=snap: restore_cache(model.config, snap))
+            timed(f"resume{c}", lambda snap=snap, c=c: segmented_prefill(
+                model, ids, cache=restore_cache(model.config, snap), start=c, capture=None))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    plain, capture = med["plain"], med["capture"]
+    rows = [(0, plain, 0.0)] + [(c, med[f"resume{c}"], med[f"restore{c}"]) for c in depths[1:]]
     t_full = rows[0][1]
     saved = np.array([t_full - r[1] for r in rows])
     tokens = np.array([r[0] for r in rows], dtype=float)
