@@ -26,3 +26,13 @@ def test_match_block_reaches_block_savings_with_fewer_checkpoints():
     assert saved_fraction(w, plan_checkpoints(w, n_opt, "optimal", 64)) >= target - 1e-12
     if n_opt > 1:  # and one fewer would not do
         assert saved_fraction(w, plan_checkpoints(w, n_opt - 1, "optimal", 64)) < target - 1e-12
+
+
+def test_engine_timing_is_well_formed():
+    from kvstate.models import tiny_model
+    from kvstate.prefix.timing import measure_engine
+
+    t = measure_engine(tiny_model("qwen3_5"), n=256, align=64, slots=2, repeats=1)
+    assert t.depths[0] == 0 and all(c % 64 == 0 for c in t.depths[1:])
+    assert len(t.resume_s) == len(t.restore_s) == len(t.depths) and min(t.resume_s) > 0
+    assert t.capture_ratio > 0
