@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvstate.eval.scoring import score
 from kvstate.workloads import language as lang
+from kvstate.workloads.oracle import oracle_answer
 from kvstate.workloads.tasks import (
     LENGTH_TOLERANCE,
     METRICS,
@@ -16,7 +17,6 @@ from kvstate.workloads.tasks import (
     TaskConfig,
     generate,
     min_length,
-    oracle_answer,
     training_batch,
 )
 from kvstate.workloads.tokenizer import build_tokenizer, count_tokens

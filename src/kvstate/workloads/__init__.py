@@ -5,13 +5,13 @@
   the synthetic language, RULER-shaped tasks and word-level tokenizer the reference models use.
 """
 
+from kvstate.workloads.oracle import oracle_answer
 from kvstate.workloads.tasks import (
     TASKS,
     Example,
     TaskConfig,
     generate,
     min_length,
-    oracle_answer,
     training_batch,
 )
 from kvstate.workloads.tokenizer import build_tokenizer, count_tokens
