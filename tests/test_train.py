@@ -85,6 +85,7 @@ def test_tiny_training_saves_a_loadable_resumable_model(tmp_path, tok):
     assert model.config.vocab_size == len(tok)
     state2 = train(cfg, tmp_path / "run2", resume=tmp_path / "run", progress=False, log=lambda s: None)
     assert state2["step"] == 6 and load_state(tmp_path / "run2")["tokens"] == 2 * state["tokens"]
+    assert (tmp_path / "run" / "optimizer.safetensors").is_file() and not list(tmp_path.rglob("*.pt"))  # no pickle
     with pytest.raises(TrainError, match="--arch attn"):
         train(TrainConfig(arch="hybrid", max_steps=1), tmp_path / "x", resume=tmp_path / "run", progress=False)
 
@@ -113,3 +114,23 @@ def test_train_command_rejects_resume_with_init(tmp_path):
         train_command(arch="hybrid", out=tmp_path, resume=tmp_path, init_from=tmp_path)
     with pytest.raises(TrainError, match="attn, hybrid"):
         train_command(arch="transformer", out=tmp_path)
+
+
+def test_optimizer_state_round_trips_through_safetensors(tmp_path):
+    import torch
+
+    from kvstate.eval.train import _load_optimizer, _save_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    sum(p.square().sum() for p in params).backward()
+    opt.step()
+    _save_optimizer(opt, tmp_path / "o.safetensors")
+    loaded = _load_optimizer(tmp_path / "o.safetensors")
+    ref = opt.state_dict()
+    assert loaded["param_groups"] == ref["param_groups"]
+    for i, st in ref["state"].items():
+        for k, v in st.items():
+            assert torch.equal(loaded["state"][i][k], v)
+    opt2 = torch.optim.AdamW(params, lr=1e-3)
+    opt2.load_state_dict(loaded)  # accepted by torch

@@ -16,7 +16,7 @@ rest is a copy, and it reads 0.85 while multi-key retrieval is at chance.
 Multi-needle documents are mixed in from the first stage: at 64 tokens the multi-needle tasks use
 two needles instead of four (:func:`stage_task_config`). Training is resumable: every save writes the
 model, the tokenizer, ``training_state.json`` (curriculum stage, step, learning curve) and
-``optimizer.pt``; ``resume=DIR`` continues from them. The hybrid can start from a trained attention
+``optimizer.safetensors``; ``resume=DIR`` continues from them. The hybrid can start from a trained attention
 model (``init_from``): tensors whose names and shapes match are copied (embeddings, MLPs, norms,
 attention q/k/v/o) and the Gated DeltaNet output projections start at zero, so the hybrid starts from
 a working token representation instead of random residual noise.
@@ -47,7 +47,7 @@ GATE_TASKS = ("niah_single", "niah_multikey")
 # mix the 4-layer model was still guessing digits at 128 tokens after 3M tokens (measured here).
 TASK_MIX = {"niah_single": 5.0, "niah_multikey": 5.0, "niah_multivalue": 0.5, "niah_multiquery": 0.5,
             "vt": 0.5, "qa": 0.75, "fwe": 0.25, "cwe": 0.25, "text": 0.25}
-STATE_FILE, OPTIM_FILE = "training_state.json", "optimizer.pt"
+STATE_FILE, OPTIM_FILE = "training_state.json", "optimizer.safetensors"  # safetensors: never pickle
 
 
 class TrainError(KVStateError):
@@ -262,11 +262,32 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float) -> float:
     return cfg.lr * warm * decay
 
 
+def _save_optimizer(optimizer: Any, path: Path) -> None:
+    """AdamW state as safetensors: tensors keyed ``"<param index>.<name>"``, param groups in the metadata."""
+    from safetensors.torch import save_file
+
+    sd = optimizer.state_dict()
+    tensors = {f"{i}.{k}": v.detach().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
+    save_file(tensors, str(path), metadata={"param_groups": json.dumps(sd["param_groups"])})
+
+
+def _load_optimizer(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with safe_open(str(path), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = f.get_tensor(key)
+    return {"state": state, "param_groups": groups}
+
+
 def _save(model: Any, tokenizer: Any, optimizer: Any, out: Path, state: dict[str, Any]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    torch.save(optimizer.state_dict(), out / (OPTIM_FILE + ".tmp"))
+    _save_optimizer(optimizer, out / (OPTIM_FILE + ".tmp"))
     (out / (OPTIM_FILE + ".tmp")).replace(out / OPTIM_FILE)
     tmp = out / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=1))
@@ -314,7 +335,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if resume is not None and (Path(resume) / OPTIM_FILE).is_file():
-        optimizer.load_state_dict(torch.load(Path(resume) / OPTIM_FILE))
+        optimizer.load_state_dict(_load_optimizer(Path(resume) / OPTIM_FILE))
     windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
     first_windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
     length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
