@@ -277,6 +277,9 @@ def _load_optimizer(path: Path) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     with safe_open(str(path), framework="pt") as f:
         groups = json.loads(f.metadata()["param_groups"])
+        for g in groups:  # JSON has no tuples; torch keeps betas as one
+            if isinstance(g.get("betas"), list):
+                g["betas"] = tuple(g["betas"])
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             idx, name = key.split(".", 1)
             state.setdefault(int(idx), {})[name] = f.get_tensor(key)
