@@ -1,5 +1,18 @@
-"""kvstate.eval — RULER-style scoring and the harness that runs a task set under a cache policy."""
+"""kvstate.eval — RULER-style scoring, the harness that runs a task set under a cache policy, and training
+of the small reference models."""
 
+from kvstate.eval.harness import EvalResult, TaskScore, load_reference, perplexity, run_tasks
 from kvstate.eval.scoring import exact_match, extract_answer, f1, score, string_match_all
 
-__all__ = ["exact_match", "extract_answer", "f1", "score", "string_match_all"]
+__all__ = [
+    "EvalResult",
+    "TaskScore",
+    "exact_match",
+    "extract_answer",
+    "f1",
+    "load_reference",
+    "perplexity",
+    "run_tasks",
+    "score",
+    "string_match_all",
+]
