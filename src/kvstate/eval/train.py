@@ -38,6 +38,8 @@ import torch
 import transformers as tf
 
 from kvstate.errors import KVStateError
+from kvstate.eval.optim_io import load_optimizer as _load_optimizer
+from kvstate.eval.optim_io import save_optimizer as _save_optimizer
 from kvstate.workloads.tasks import TaskConfig, training_batch
 from kvstate.workloads.tokenizer import build_tokenizer
 
@@ -260,30 +262,6 @@ def _lr(cfg: TrainConfig, step: int, elapsed: float) -> float:
     decay_start = budget * (1 - cfg.decay_fraction)
     decay = 1.0 if elapsed < decay_start else max(0.1, 1 - 0.9 * (elapsed - decay_start) / (budget - decay_start))
     return cfg.lr * warm * decay
-
-
-def _save_optimizer(optimizer: Any, path: Path) -> None:
-    """AdamW state as safetensors: tensors keyed ``"<param index>.<name>"``, param groups in the metadata."""
-    from safetensors.torch import save_file
-
-    sd = optimizer.state_dict()
-    tensors = {f"{i}.{k}": v.detach().contiguous() for i, st in sd["state"].items() for k, v in st.items()}
-    save_file(tensors, str(path), metadata={"param_groups": json.dumps(sd["param_groups"])})
-
-
-def _load_optimizer(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
-
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    with safe_open(str(path), framework="pt") as f:
-        groups = json.loads(f.metadata()["param_groups"])
-        for g in groups:  # JSON has no tuples; torch keeps betas as one
-            if isinstance(g.get("betas"), list):
-                g["betas"] = tuple(g["betas"])
-        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = f.get_tensor(key)
-    return {"state": state, "param_groups": groups}
 
 
 def _save(model: Any, tokenizer: Any, optimizer: Any, out: Path, state: dict[str, Any]) -> None:
