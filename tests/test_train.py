@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers as tf
 
-from kvstate.cli_models import train_command
+from kvstate.cli_models import parse_overrides, train_command
 from kvstate.errors import KVStateError
 from kvstate.eval.train import (
     TrainConfig,
@@ -37,6 +37,9 @@ def tok():
     ({"start_length": 128, "max_length": 64}, "start_length"),
     ({"answer_weight": 1.0}, "answer_weight"),
     ({"hidden_size": 100, "num_heads": 3}, "num_heads"),
+    ({"task_mix": {"niah_single": 1.0, "poems": 1.0}}, "unknown: \\['poems'\\]"),
+    ({"task_mix": {"qa": 1.0}}, "gate task"),
+    ({"task_mix": {"niah_single": -1.0}}, "shares >= 0"),
 ])
 def test_config_errors_name_the_field(bad, match):
     with pytest.raises(TrainError, match=match):
@@ -60,6 +63,27 @@ def test_batches_deterministic_and_mix_multi_needle_from_the_start(tok):
     assert ids.shape == (32, 64) and not torch.equal(ids, make_batch(cfg, 64, 6, tok)[0])
     assert {"niah_single", "niah_multikey"} <= set(stage_tasks(64, tok))
     assert set(stage_tasks(128, tok)) >= {"niah_multivalue", "qa", "cwe"}
+
+
+def test_drill_rows_follow_the_mix(tok):
+    cfg = TrainConfig(task_mix={"niah_multikey": 1.0, "niah_drill": 3.0})
+    ids, w, tasks = make_batch(cfg, 512, 2, tok)
+    assert set(tasks) == {"niah_multikey", "niah_drill"} and ids.shape == (8, 512)
+    per_row = (w[:, 1:] >= 10).sum(-1)  # a drill row answers every needle: more answer tokens than a 1-needle row
+    drill = torch.tensor([t == "niah_drill" for t in tasks])
+    assert per_row[drill].max() > per_row[~drill].max()
+    assert "niah_drill" in stage_tasks(64, tok) and "niah_drill" not in stage_tasks(64, tok, {"niah_single": 1.0})
+
+
+def test_train_command_set_overrides(tmp_path):
+    assert parse_overrides(["max_length=2048", "advance_metric=exact", 'task_mix={"niah_single": 1}']) == {
+        "max_length": 2048, "advance_metric": "exact", "task_mix": {"niah_single": 1}}
+    with pytest.raises(KVStateError, match="FIELD=VALUE.*max_length"):
+        parse_overrides(["max_len=4"])
+    with pytest.raises(KVStateError, match="FIELD=VALUE"):
+        parse_overrides(["threads"])
+    with pytest.raises(KVStateError, match="start_length"):
+        train_command(arch="attn", out=tmp_path, overrides=["start_length=8"])
 
 
 def test_answer_stats_is_greedy_exact_match(tok):

@@ -44,6 +44,25 @@ def parse_lengths(value: str) -> list[int]:
     return out
 
 
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """``["max_length=2048", "task_mix={\"niah_single\": 1}"]`` -> TrainConfig keyword arguments."""
+    from dataclasses import fields
+
+    from kvstate.eval.train import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)} - {"arch", "minutes", "seed"}
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or key.strip() not in names:
+            raise KVStateError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(names))}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw  # a bare string such as advance_metric=exact
+    return out
+
+
 def train_command(
     arch: Annotated[str, typer.Option("--arch", help="attn (Qwen3) or hybrid (Qwen3.5: 3 Gated DeltaNet : 1 attention).")],
     out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
@@ -52,6 +71,8 @@ def train_command(
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue a run saved in this directory.")] = None,
     init_from: Annotated[Path | None, typer.Option(
         "--init-from", help="Start a new model from a trained one's matching tensors (e.g. hybrid from ref-attn).")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a TrainConfig field, e.g. --set max_length=2048 --set threads=1 (JSON values).")] = None,
 ) -> None:
     """Train a reference model on the synthetic tasks with a context-length curriculum (CPU, bf16 autocast)."""
     _passive_openmp()
@@ -61,7 +82,10 @@ def train_command(
 
     if resume is not None and init_from is not None:
         raise KVStateError("--resume and --init-from exclude each other: a resumed run keeps its own weights")
-    cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed)
+    try:
+        cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed, **parse_overrides(overrides or []))
+    except TypeError as err:  # a value of the wrong type, e.g. --set max_length='"long"'
+        raise KVStateError(f"--set: {err}; pass JSON values of the field's type") from None
     state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None)
     last = state["curve"][-1] if state["curve"] else {}
     Console().print(f"saved {out}: {state['params']:,} parameters, step {state['step']}, "
