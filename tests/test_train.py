@@ -78,7 +78,7 @@ def test_drill_rows_follow_the_mix(tok):
 def test_train_command_set_overrides(tmp_path):
     assert parse_overrides(["max_length=2048", "advance_metric=exact", 'task_mix={"niah_single": 1}']) == {
         "max_length": 2048, "advance_metric": "exact", "task_mix": {"niah_single": 1}}
-    with pytest.raises(KVStateError, match="FIELD=VALUE.*max_length"):
+    with pytest.raises(KVStateError, match=r"FIELD=VALUE.*max_length"):
         parse_overrides(["max_len=4"])
     with pytest.raises(KVStateError, match="FIELD=VALUE"):
         parse_overrides(["threads"])
