@@ -40,6 +40,7 @@ def tok():
     ({"task_mix": {"niah_single": 1.0, "poems": 1.0}}, "unknown: \\['poems'\\]"),
     ({"task_mix": {"qa": 1.0}}, "gate task"),
     ({"task_mix": {"niah_single": -1.0}}, "shares >= 0"),
+    ({"resume_length": 32}, "resume_length"),
 ])
 def test_config_errors_name_the_field(bad, match):
     with pytest.raises(TrainError, match=match):
@@ -110,6 +111,9 @@ def test_tiny_training_saves_a_loadable_resumable_model(tmp_path, tok):
     state2 = train(cfg, tmp_path / "run2", resume=tmp_path / "run", progress=False, log=lambda s: None)
     assert state2["step"] == 6 and load_state(tmp_path / "run2")["tokens"] == 2 * state["tokens"]
     assert (tmp_path / "run" / "optimizer.safetensors").is_file() and not list(tmp_path.rglob("*.pt"))  # no pickle
+    restart = TrainConfig(arch="attn", num_layers=1, max_steps=1, resume_length=128, **TINY)
+    state3 = train(restart, tmp_path / "run3", resume=tmp_path / "run2", progress=False, log=lambda s: None)
+    assert state3["length"] == 128 and state3["curve"][-1]["length"] == 128 and state2["length"] == 64
     with pytest.raises(TrainError, match="--arch attn"):
         train(TrainConfig(arch="hybrid", max_steps=1), tmp_path / "x", resume=tmp_path / "run", progress=False)
 

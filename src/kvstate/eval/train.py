@@ -95,6 +95,7 @@ class TrainConfig:
     save_every_min: float = 5.0
     log_every: int = 20  # steps between learning-curve points
     task_mix: dict[str, float] | None = None  # row shares per task; None: TASK_MIX
+    resume_length: int | None = None  # a resumed run restarts the curriculum at this length (None: where it was)
 
     @property
     def mix(self) -> dict[str, float]:
@@ -137,6 +138,9 @@ class TrainConfig:
                 raise TrainError(f"TrainConfig.task_mix={self.task_mix} must map tasks of {', '.join(TASK_MIX)} "
                                  f"(unknown: {unknown or 'none'}) to shares >= 0, with a gate task "
                                  f"({', '.join(GATE_TASKS)}) above 0")
+        if self.resume_length is not None and not self.start_length <= self.resume_length <= self.max_length:
+            raise TrainError(f"TrainConfig.resume_length={self.resume_length} must lie in [start_length, max_length] "
+                             f"= [{self.start_length}, {self.max_length}]")
         if self.lr <= 0 or self.threads < 1 or self.window < 1:
             raise TrainError("TrainConfig: lr, threads and window must be positive")
 
@@ -341,6 +345,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
         optimizer.load_state_dict(_load_optimizer(Path(resume) / OPTIM_FILE))
     windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
     first_windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
+    if resume is not None and cfg.resume_length is not None:
+        state["length"] = cfg.resume_length
     length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
     stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
     losses: list[float] = []
