@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvstate.workloads import build_tokenizer
-from kvstate.workloads.drills import QUESTION, drill_batch, drill_keys
+from kvstate.workloads.drills import COPY_OPEN, COPY_REPEAT, QUESTION, copy_batch, drill_batch, drill_keys
 from kvstate.workloads.tasks import _find
 
 
@@ -73,3 +73,24 @@ def test_bad_arguments_name_the_argument(tok, bad):
     kwargs = {"answer_weight": bad["answer_weight"]} if "answer_weight" in bad else {}
     with pytest.raises(ValueError, match=next(iter(bad))):
         drill_batch(args["length"], args["batch"], args["seed"], tok, **kwargs)
+
+
+@pytest.mark.parametrize("length", [64, 256])
+def test_copy_rows_repeat_each_list_exactly(tok, length):
+    ids, w = copy_batch(length, 4, 2, tok)
+    assert ids.shape == (4, length) and tok.unk_token_id not in ids
+    for r in range(4):
+        words = [tok.convert_ids_to_tokens(int(i)) for i in ids[r]]
+        n = words.index("<pad>") if "<pad>" in words else length
+        starts = _find(words[:n], COPY_OPEN)
+        assert starts and words[0] == "<bos>" and w[r, 0] == 0 and (w[r, n:] == 0).all()
+        for s in starts:
+            items = words[s:words.index(".", s)]
+            again = s + len(items) + 1 + len(COPY_REPEAT)
+            assert words[again - len(COPY_REPEAT):again] == COPY_REPEAT
+            assert words[again:again + len(items) + 1] == [*items, "."] and 4 <= len(items) <= 24
+            assert (w[r, again:again + len(items) + 1] == 10).all() and (w[r, s:again] == 1).all()
+        assert int((w[r] == 10).sum()) == sum(words[s:].index(".") + 1 for s in starts)
+    assert np.array_equal(ids, copy_batch(length, 4, 2, tok)[0])
+    with pytest.raises(ValueError, match="length"):
+        copy_batch(20, 1, 0, tok)

@@ -40,7 +40,7 @@ import transformers as tf
 from kvstate.errors import KVStateError
 from kvstate.eval.optim_io import load_optimizer as _load_optimizer
 from kvstate.eval.optim_io import save_optimizer as _save_optimizer
-from kvstate.workloads.drills import drill_batch
+from kvstate.workloads.drills import copy_batch, drill_batch
 from kvstate.workloads.tasks import TaskConfig, training_batch
 from kvstate.workloads.tokenizer import build_tokenizer
 
@@ -51,8 +51,8 @@ GATE_TASKS = ("niah_single", "niah_multikey")
 # ``niah_drill`` rows (:mod:`kvstate.workloads.drills`) ask for every needle of their document: k retrievals
 # per row instead of one, which is what multi-key selection needed here (see the model cards).
 TASK_MIX = {"niah_single": 2.5, "niah_multikey": 2.5, "niah_drill": 5.0, "niah_multivalue": 0.5,
-            "niah_multiquery": 0.5, "vt": 0.5, "qa": 0.75, "fwe": 0.25, "cwe": 0.25, "text": 0.25}
-DRILL = "niah_drill"
+            "niah_multiquery": 0.5, "vt": 0.5, "qa": 0.75, "fwe": 0.25, "cwe": 0.25, "text": 0.25, "copy": 0.0}
+DRILL, COPY = "niah_drill", "copy"
 STATE_FILE, OPTIM_FILE = "training_state.json", "optimizer.safetensors"  # safetensors: never pickle
 
 
@@ -182,6 +182,9 @@ def _rows(task: str, length: int, count: int, seed: int, tokenizer: Any,
           answer_weight: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
     if task == DRILL:
         return drill_batch(length, count, seed, tokenizer, answer_weight=answer_weight)
+    if task == COPY:
+        return copy_batch(length, count, seed, tokenizer, answer_weight=answer_weight,
+                          max_items=min(24, (length - 16) // 2))
     return training_batch([task], length, count, seed, tokenizer, answer_weight=answer_weight,
                           config=stage_task_config(length))
 

@@ -9,7 +9,14 @@ followed by ``k`` question/answer pairs in a random order::
 
     <bos> document  what is the secret code of B ? answer : 3 1 4 1 5 9 .  what is ... A ? answer : ... . <eos>
 
-so every row carries ``k`` key-selection and ``k x code_digits`` copy targets. The questions are the eval
+so every row carries ``k`` key-selection and ``k x code_digits`` copy targets.
+
+:func:`copy_batch` is the second drill, for the attention-only model: it located the right needle but
+garbled the code after three digits (``9 4 6 5 2 5`` -> ``9 4 6 5 5 5``), the signature of a missing
+induction (previous-token + match) circuit, which a short causal conv gives the hybrid for free. Rows of
+``the list is w1 .. wn . read the list again : w1 .. wn .`` with random digits and names (n in [4, 24]) make
+every token of the repeat predictable only by copying from the matching place, the data on which
+induction heads are known to form quickly (Olsson et al., 2022, "In-context learning and induction heads"). The questions are the eval
 question verbatim; each answer is produced with the earlier pairs in view, which never reveals it (names
 are distinct). The prose comes from a third seed stream (:data:`DRILL_STREAM`), disjoint from both the
 held-out examples of :func:`~kvstate.workloads.tasks.generate` and the rows of
@@ -21,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from kvstate.workloads import language as lang
 from kvstate.workloads.tasks import CUE, TaskConfig, _find, _make
 
 DRILL_STREAM = 2  # tasks.EVAL_STREAM = 0, tasks.TRAIN_STREAM = 1
@@ -93,4 +101,45 @@ def drill_batch(length: int, batch: int, seed: int, tokenizer: PreTrainedTokeniz
     return input_ids, weights
 
 
-__all__ = ["DRILL_STREAM", "drill_batch", "drill_keys"]
+COPY_OPEN, COPY_REPEAT = ["the", "list", "is"], ["read", "the", "list", "again", ":"]
+
+
+def copy_batch(length: int, batch: int, seed: int, tokenizer: PreTrainedTokenizerBase, *,
+               answer_weight: float = 10.0, min_items: int = 4, max_items: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """A ``(batch, length)`` batch of copy drills: ``<bos>`` then list/repeat pairs until the row is full.
+
+    Each list draws ``n`` in ``[min_items, max_items]`` tokens, digits only (half the lists: the repeat
+    needs more than the previous token to find its place) or digits and names. Weights: 1 for the lists and
+    cues, ``answer_weight`` for the repeated tokens and their ``.``; padding after the last whole pair is 0.
+    """
+    for name, value, lo in (("length", length, 2 * min_items + 16), ("batch", batch, 1), ("seed", seed, 0)):
+        if not isinstance(value, int) or value < lo:
+            raise ValueError(f"copy_batch: {name}={value!r} must be an int >= {lo}")
+    if not 1 <= min_items <= max_items:
+        raise ValueError(f"copy_batch: need 1 <= min_items ({min_items}) <= max_items ({max_items})")
+    digits = [str(d) for d in range(10)]
+    mixed = digits + list(lang.NAMES)
+    input_ids = np.full((batch, length), tokenizer.pad_token_id, dtype=np.int64)
+    weights = np.zeros((batch, length), dtype=np.float32)
+    for row in range(batch):
+        rng = np.random.default_rng([seed, DRILL_STREAM, row, 1])
+        ids, marks = [tokenizer.bos_token_id], [0.0]
+        while True:
+            n = int(rng.integers(min_items, max_items + 1))
+            pool = digits if rng.random() < 0.5 else mixed
+            items = [pool[int(i)] for i in rng.integers(len(pool), size=n)]
+            prompt = tokenizer(" ".join([*COPY_OPEN, *items, ".", *COPY_REPEAT]), add_special_tokens=False)["input_ids"]
+            answer = tokenizer(" ".join([*items, "."]), add_special_tokens=False)["input_ids"]
+            if len(ids) + len(prompt) + len(answer) > length:
+                break
+            ids += prompt + answer
+            marks += [1.0] * len(prompt) + [answer_weight] * len(answer)
+        if len(ids) == 1:
+            raise ValueError(f"copy_batch: length={length} cannot hold a list of {max_items} items; pass a longer "
+                             "length or a smaller max_items")
+        input_ids[row, :len(ids)] = ids
+        weights[row, :len(ids)] = marks
+    return input_ids, weights
+
+
+__all__ = ["COPY_OPEN", "COPY_REPEAT", "DRILL_STREAM", "copy_batch", "drill_batch", "drill_keys"]
