@@ -1,0 +1,57 @@
+"""Seeding a new reference model from a trained one (``kvstate train --init-from``), issue 4.
+
+The hybrid reference model (Qwen3.5 text: Gated DeltaNet + gated attention) starts from the attention
+model's weights: tensors whose names (layer index rescaled) and shapes match are copied, with the two
+translations Qwen3.5 needs (gated ``q_proj`` holds [query | gate] per head; its RMSNorms scale by 1 + w),
+and the Gated DeltaNet output projections start at zero so the new branches add nothing until trained.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers as tf
+
+
+def init_from_model(model: Any, source_dir: Path) -> int:
+    """Copy every tensor of ``source_dir``'s model whose name (layer index rescaled) and shape match.
+
+    Gated attention's query half of ``q_proj`` takes the source query; the recurrent layers' output
+    projections start at zero so they add nothing until trained. Returns the number of tensors copied.
+    """
+    src = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True).state_dict()
+    n_src = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("model.layers."))
+    n_dst = model.config.num_hidden_layers
+    copied = 0
+    zero_centered = {n for n, m in model.named_modules() if type(m).__name__ == "Qwen3_5RMSNorm"}
+    with torch.no_grad():
+        for name, param in model.state_dict().items():
+            key = name
+            if name.startswith("model.layers."):
+                parts = name.split(".")
+                parts[2] = str(int(parts[2]) * n_src // n_dst)
+                key = ".".join(parts)
+            if key.endswith("self_attn.q_proj.weight") and key in src and param.shape[0] == 2 * src[key].shape[0]:
+                # Qwen3.5 gated attention: per head [query | gate]; copy the query, gate 0 (sigmoid 1/2)
+                hd = model.config.head_dim
+                view = param.view(-1, 2 * hd, param.shape[1])  # (H, 2*hd, hidden)
+                view[:, :hd] = src[key].view(-1, hd, param.shape[1])
+                view[:, hd:] = 0.0
+                copied += 1
+            elif key.endswith("self_attn.o_proj.weight") and key in src and src[key].shape == param.shape:
+                param.copy_(2.0 * src[key])  # undo the gate's 1/2
+                copied += 1
+            elif key in src and src[key].shape == param.shape:
+                value = src[key].to(param.dtype)
+                if name.removesuffix(".weight") in zero_centered:  # Qwen3.5 norms scale by (1 + w)
+                    value = value - 1.0
+                param.copy_(value)
+                copied += 1
+            elif name.endswith("linear_attn.out_proj.weight"):
+                param.zero_()  # new Gated DeltaNet branches start silent: the copied residual stream is kept
+    return copied
+
+
+__all__ = ["init_from_model"]
