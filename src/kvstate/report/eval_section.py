@@ -1,11 +1,13 @@
 """Report section: full-cache scores of the committed reference models (issue 4) on the synthetic tasks.
 
 Every later technique is compared against these numbers, so they are measured again on each report run
-(seeded, so the rows are reproducible): scores per task × length, and a needle-depth × length heatmap.
+(seeded, so the rows are reproducible): scores per task × length, a needle-depth × length heatmap, and
+each model's learning curve read from its ``training_state.json`` (gate-task exact match on training batches).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,40 @@ def reference_dirs(models_dir: Path) -> list[Path]:
     if not models_dir.is_dir():
         return []
     return sorted(p for p in models_dir.iterdir() if (p / "config.json").is_file() and (p / "tokenizer.json").is_file())
+
+
+def curve_figure(dirs: list[Path], out_dir: Path) -> Figure | None:
+    """Gate-task exact match (training batches) and curriculum length against training minutes, per model."""
+    curves = {}
+    for d in dirs:
+        state = d / "training_state.json"
+        if state.is_file():
+            curves[d.name] = json.loads(state.read_text()).get("curve", [])
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return None
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.5), squeeze=False)
+    for ax, (name, curve) in zip(axes[0], curves.items(), strict=True):
+        minutes = [p["minutes"] for p in curve]
+        for task in ("niah_single", "niah_multikey"):
+            ax.plot(minutes, [p["exact"].get(task, np.nan) for p in curve], label=f"{task} exact", lw=1)
+        ax.axhline(0.9, color="grey", lw=0.6, ls=":")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("training minutes")
+        ax.set_ylabel("exact match (training batches)")
+        twin = ax.twinx()
+        twin.step(minutes, [p["length"] for p in curve], where="post", color="black", lw=0.8, ls="--", label="length")
+        twin.set_yscale("log", base=2)
+        twin.set_ylabel("curriculum length (tokens)")
+        ax.set_title(name)
+        ax.legend(loc="upper left", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "eval_learning_curves.png", dpi=100)
+    plt.close(fig)
+    return Figure("Learning curves of the reference models", "eval_learning_curves.png",
+                  "Rolling exact match of the gate tasks on fresh training batches (before each update); dashed: "
+                  "curriculum length; dotted: the 0.9 gate. Jumps are resumed parts that changed the recipe "
+                  "(see the model cards).")
 
 
 def build(out_dir: Path, models_dir: Path) -> Section:
@@ -56,6 +92,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         fig.savefig(out_dir / name, dpi=100)
         plt.close(fig)
         figures.append(Figure(f"{d.name}: needle depth × length", name, f"{N} seeded examples per length, full cache."))
+    curves = curve_figure(dirs, out_dir)
+    figures += [curves] if curves else []
     intro = (f"Full-cache scores on {N} held-out examples per task and length (seed {SEED}), greedy decoding."
              if dirs else f"No reference model with a tokenizer under {models_dir}/ yet.")
     return Section(
