@@ -85,6 +85,11 @@ def test_train_command_set_overrides(tmp_path):
         parse_overrides(["threads"])
     with pytest.raises(KVStateError, match="start_length"):
         train_command(arch="attn", out=tmp_path, overrides=["start_length=8"])
+    tiny = [f"{k}={v}" for k, v in TINY.items()] + ["num_layers=1", "max_steps=2", 'task_mix={"niah_single": 1, "niah_drill": 1}']
+    train_command(arch="attn", out=tmp_path / "cli", minutes=5.0, overrides=tiny)
+    state = load_state(tmp_path / "cli")
+    assert state["step"] == 2 and state["config"]["task_mix"] == {"niah_single": 1, "niah_drill": 1}
+    assert set(state["curve"][-1]["exact"]) <= {"niah_single", "niah_drill"}
 
 
 def test_answer_stats_is_greedy_exact_match(tok):
