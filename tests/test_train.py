@@ -167,3 +167,18 @@ def test_optimizer_state_round_trips_through_safetensors(tmp_path):
             assert torch.equal(loaded["state"][i][k], v)
     opt2 = torch.optim.AdamW(params, lr=1e-3)
     opt2.load_state_dict(loaded)  # accepted by torch
+
+
+def test_init_from_the_same_family_copies_verbatim(tmp_path):
+    from kvstate.eval.init_from import init_from_model
+
+    for arch, layers in (("attn", 1), ("hybrid", 4)):
+        cfg = TrainConfig(arch=arch, num_layers=layers, max_steps=1, **TINY)
+        train(cfg, tmp_path / arch, progress=False, log=lambda s: None)
+        src = tf.AutoModelForCausalLM.from_pretrained(tmp_path / arch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            dst = tf.AutoModelForCausalLM.from_config(src.config)
+        assert init_from_model(dst, tmp_path / arch) == len(src.state_dict())
+        a, b = src.state_dict(), dst.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), arch  # no gate doubling, no norm shift

@@ -21,11 +21,14 @@ def init_from_model(model: Any, source_dir: Path) -> int:
     Gated attention's query half of ``q_proj`` takes the source query; the recurrent layers' output
     projections start at zero so they add nothing until trained. Returns the number of tensors copied.
     """
-    src = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True).state_dict()
+    source = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True)
+    src = source.state_dict()
+    # the gate / norm translations apply only from plain attention into Qwen3.5; same-family copies are verbatim
+    gated = source.config.model_type != model.config.model_type and model.config.model_type.startswith("qwen3_5")
     n_src = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("model.layers."))
     n_dst = model.config.num_hidden_layers
     copied = 0
-    zero_centered = {n for n, m in model.named_modules() if type(m).__name__ == "Qwen3_5RMSNorm"}
+    zero_centered = {n for n, m in model.named_modules() if gated and type(m).__name__ == "Qwen3_5RMSNorm"}
     with torch.no_grad():
         for name, param in model.state_dict().items():
             key = name
@@ -33,14 +36,14 @@ def init_from_model(model: Any, source_dir: Path) -> int:
                 parts = name.split(".")
                 parts[2] = str(int(parts[2]) * n_src // n_dst)
                 key = ".".join(parts)
-            if key.endswith("self_attn.q_proj.weight") and key in src and param.shape[0] == 2 * src[key].shape[0]:
+            if gated and key.endswith("self_attn.q_proj.weight") and key in src and param.shape[0] == 2 * src[key].shape[0]:
                 # Qwen3.5 gated attention: per head [query | gate]; copy the query, gate 0 (sigmoid 1/2)
                 hd = model.config.head_dim
                 view = param.view(-1, 2 * hd, param.shape[1])  # (H, 2*hd, hidden)
                 view[:, :hd] = src[key].view(-1, hd, param.shape[1])
                 view[:, hd:] = 0.0
                 copied += 1
-            elif key.endswith("self_attn.o_proj.weight") and key in src and src[key].shape == param.shape:
+            elif gated and key.endswith("self_attn.o_proj.weight") and key in src and src[key].shape == param.shape:
                 param.copy_(2.0 * src[key])  # undo the gate's 1/2
                 copied += 1
             elif key in src and src[key].shape == param.shape:
