@@ -30,6 +30,16 @@ class Figure:
     caption: str = ""
 
 
+@dataclass(frozen=True)
+class HeadlineRow:
+    """One target a technique is measured against, with this run's value (never fixed text)."""
+
+    technique: str  # e.g. "position (sparse prefix caching)"
+    target: str  # what is promised, e.g. "capture overhead <= 1.10x a plain prefill"
+    measured: str  # this run's value, formatted, e.g. "1.04x"
+    met: bool | None  # None when the run could not decide (say why in `measured`)
+
+
 @dataclass
 class Section:
     key: str  # short id, also the summary.json key
@@ -38,6 +48,7 @@ class Section:
     tables: list[Table] = field(default_factory=list)
     figures: list[Figure] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)  # machine-readable numbers for summary.json
+    headline: list[HeadlineRow] = field(default_factory=list)  # rows for the report's headline table
 
 
 def atomic_write_text(path: Path, text: str) -> None:
