@@ -28,6 +28,7 @@ from kvstate.models import (
     segmented_prefill,
     snapshot_cache,
 )
+from kvstate.prefix.engine_args import check_engine_args
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.histogram import OverlapHistogram
 from kvstate.prefix.placement import METHODS, plan_checkpoints
@@ -61,6 +62,8 @@ class SparsePrefixCache:
         gamma: float = 0.98,
         block_size: int = 64,
     ) -> None:
+        check_engine_args(budget_bytes=budget_bytes, slots_per_entry=slots_per_entry, align=align, alpha=alpha,
+                          drift_threshold=drift_threshold, gamma=gamma, block_size=block_size)
         if planner not in METHODS:
             raise KVStateError(f"planner={planner!r} is not one of {sorted(METHODS)}.")
         if policy not in {p.value for p in Policy}:
@@ -165,5 +168,7 @@ class SparsePrefixCache:
 
     def lookup(self, input_ids: torch.Tensor) -> Hit | None:
         """Where a request would resume, without computing or admitting anything."""
+        if input_ids.dim() > 2 or (input_ids.dim() == 2 and input_ids.shape[0] != 1):
+            raise KVStateError(f"input_ids must be one sequence (T,) or (1, T); got shape {tuple(input_ids.shape)}.")
         with self._lock:
             return self.store.lookup(tuple(int(t) for t in input_ids.reshape(-1).tolist()))
