@@ -188,21 +188,24 @@ def _fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors and :class:`KVStateError` become one line on stderr and exit code 2."""
-    import click
+    try:  # typer >= 0.20 runs on its own vendored copy of click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_exc  # type: ignore[no-redef]
 
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
     try:
         code = app(args=args, prog_name="kvstate", standalone_mode=False)
-    except click.exceptions.NoArgsIsHelpError as exc:
+    except click_exc.NoArgsIsHelpError as exc:
         exc.show()  # bare `kvstate`: the help text
         sys.exit(2)
-    except click.ClickException as exc:  # bad option, missing argument, wrong type: click's own message
+    except click_exc.ClickException as exc:  # bad option, missing argument, wrong type: click's own message
         if debug:
             raise
         where = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) is not None else ""
         _fail(exc.format_message() + where)
-    except click.exceptions.Abort:
+    except typer.Abort:
         sys.stderr.write("aborted\n")
         sys.exit(130)
     except KVStateError as exc:
