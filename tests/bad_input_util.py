@@ -9,6 +9,26 @@ import pytest
 
 from kvstate.cli import main
 
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_kv_heads": 1, "log_every": 1,
+        "tokens_per_step": 256, "max_batch": 4, "num_layers": 1, "max_steps": 1}
+
+
+_TRAINED: list[Path] = []
+
+
+def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny attention model saved by ``kvstate.eval.train.train`` (one step), trained once per session.
+
+    Tests copy it before damaging it; cached here so that every test module using it shares one run.
+    """
+    from kvstate.eval.train import TrainConfig, train
+
+    if not _TRAINED:
+        out = tmp_path_factory.mktemp("trained") / "tiny"
+        train(TrainConfig(arch="attn", **TINY), out, progress=False, log=lambda s: None)
+        _TRAINED.append(out)
+    return _TRAINED[0]
+
 
 def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``kvstate ARGS`` through ``main`` (the console script's entry point)."""

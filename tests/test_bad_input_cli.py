@@ -15,19 +15,15 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file, save_file
 
-from kvstate.eval.train import TrainConfig, train
-from tests.bad_input_util import assert_one_line_exit_2, fingerprint, run_cli
+from tests.bad_input_util import TINY, assert_one_line_exit_2, fingerprint, run_cli, trained_model
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "num_kv_heads": 1, "log_every": 1,
-        "tokens_per_step": 256, "max_batch": 4, "num_layers": 1, "max_steps": 1}
+
+@pytest.fixture
+def trained(tmp_path_factory) -> Path:
+    return trained_model(tmp_path_factory)
+
 TINY_SET = [f"--set={k}={v}" for k, v in TINY.items()]
 
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("trained") / "tiny"
-    train(TrainConfig(arch="attn", **TINY), out, progress=False, log=lambda s: None)
-    return out
 
 
 @pytest.fixture

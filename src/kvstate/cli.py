@@ -26,6 +26,7 @@ console = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
 
@@ -81,8 +82,10 @@ def report(
     models_dir: Annotated[Path, typer.Option("--models", help="Directory of embedded reference models.")] = Path("models"),
 ) -> None:
     """The main job: every technique's section on the embedded default models → DIR/index.html + summary.json."""
+    from kvstate.io_safety import check_output_dir
     from kvstate.report import build_report
 
+    check_output_dir(out, overwrite=True)  # an unwritable --out fails before the sections run
     index = build_report(out, models_dir)
     console.print(f"report written: {index} and {out / 'summary.json'}")
 
@@ -108,6 +111,9 @@ def plan(
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
+        if plot_path.suffix.lower() not in PLOT_SUFFIXES:
+            raise KVStateError(f"--plot {str(plot_path)!r}: no image format for suffix {plot_path.suffix!r}; "
+                               f"end the name in one of {', '.join(PLOT_SUFFIXES)}")
     if weights is not None:
         if not weights.is_file():
             raise KVStateError(f"--weights {str(weights)!r} {'is a directory' if weights.is_dir() else 'does not exist'}; "

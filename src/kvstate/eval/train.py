@@ -42,7 +42,14 @@ import transformers as tf
 
 from kvstate.eval.init_from import init_from_model as _init_from
 from kvstate.eval.optim_io import load_optimizer as _load_optimizer
-from kvstate.eval.train_io import OPTIM_FILE, STATE_FILE, TrainError, drop_partial, load_state, partial_dir, save_run
+from kvstate.eval.train_io import (
+    OPTIM_FILE,
+    TrainError,
+    drop_partial,
+    load_state,
+    partial_dir,
+    save_run,
+)
 from kvstate.io_safety import check_output_dir
 from kvstate.validate import check_float, check_int
 from kvstate.workloads.drills import copy_batch, drill_batch

@@ -67,8 +67,13 @@ def load_state(run_dir: str | Path) -> dict[str, Any]:
                          "kvstate train --out (an interrupted run's progress is in its .<name>.partial sibling)")
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
-        for key in ("step", "tokens", "seconds", "length", "curve", "stages", "config"):
-            state[key]  # noqa: B018 (a missing key is the error)
+        kinds = {"step": int, "tokens": int, "seconds": (int, float), "length": int, "curve": list, "stages": list,
+                 "config": dict}
+        for key, kind in kinds.items():
+            if not isinstance(state[key], kind) or isinstance(state[key], bool):
+                raise TypeError(f"{key}={state[key]!r}")
+        if min(state["step"], state["tokens"], state["seconds"]) < 0 or not 16 <= state["length"] <= 2**20:
+            raise ValueError("negative step / tokens / seconds, or a length outside 16..2^20")
         if not isinstance(state["config"].get("arch"), str):
             raise KeyError("config.arch")
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:

@@ -192,6 +192,6 @@ def _parse(line: str, path: Path, no: int) -> Request:
     if tokens is not None and len(tokens) != length:
         raise TraceFormatError(f"{where}: 'length' {length} != len(tokens) {len(tokens)}.")
     pid = row.get("prefix_id")
-    if pid is not None and not isinstance(pid, (str, int)) or isinstance(pid, bool):
+    if (pid is not None and not isinstance(pid, (str, int))) or isinstance(pid, bool):
         raise TraceFormatError(f"{where}: 'prefix_id' must be a string, got {pid!r}.")
     return Request(tuple(tokens) if tokens is not None else None, None if pid is None else str(pid), overlap, length)
