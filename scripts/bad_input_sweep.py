@@ -314,6 +314,8 @@ def train_cases() -> None:
     tr("--out an existing file", *SET, out=w / "afile")
     tr("--out under a file", *SET, out=w / "afile" / "sub")
     tr("--out under /proc", *SET, out="/proc/kvstate-out")
+    tr("--out . --overwrite (the working dir)", "--overwrite", *SET, out=".")
+    tr("--out .. --overwrite", "--overwrite", *SET, out="..")
     for setting in ("lr=1e999", "lr=NaN", "lr=-1", "lr=0", "lr=2", "warmup_steps=0", "log_every=0", "threads=0",
                     "window=0", "max_steps=0", "seed=-1", "hidden_size=2.5", "hidden_size=30", "max_length=true",
                     "bf16=2", 'task_mix={"niah_single": NaN}', "task_mix=[1]", 'task_mix={"poems": 1}', "foo=1",

@@ -97,6 +97,9 @@ def test_unwritable_outputs_are_found_before_work(tmp_path):
     for bad in (tmp_path / "file", tmp_path / "file" / "sub", Path("/proc/kvstate-x/y")):
         with pytest.raises(OutputError):
             check_output_dir(bad)
+    for cwd_or_above in (Path("."), Path(".."), Path.cwd()):  # --overwrite must never replace the working dir
+        with pytest.raises(OutputError, match="working directory"):
+            check_output_dir(cwd_or_above, overwrite=True)
     assert check_output_dir(tmp_path / "new" / "deeper") == tmp_path / "new" / "deeper"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # the probe leaves nothing behind
 

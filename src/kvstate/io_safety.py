@@ -54,6 +54,9 @@ def check_output_dir(path: str | Path, *, overwrite: bool = False, option: str =
     can be created (probed by creating and removing a temporary directory in the nearest existing parent).
     """
     p = Path(path)
+    here = Path.cwd().resolve()
+    if p.resolve() == here or p.resolve() in here.parents:  # replacing it would delete the working directory
+        raise OutputError(f"{option} {str(p)!r} is the working directory or one above it; pass a new subdirectory")
     if p.exists() and not p.is_dir():
         raise OutputError(f"{option} {str(p)!r} is an existing file, not a directory; pass a directory path")
     if p.is_dir() and not overwrite and any(p.iterdir()):
