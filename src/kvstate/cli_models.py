@@ -74,7 +74,8 @@ def train_command(
     out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
     minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock training budget of this run.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the initialisation and the data stream.")] = 0,
-    resume: Annotated[Path | None, typer.Option("--resume", help="Continue a run saved in this directory.")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        "--resume", help="Continue a run saved in this directory (an unfinished run's periodic saves: .DIR.partial).")] = None,
     init_from: Annotated[Path | None, typer.Option(
         "--init-from", help="Start a new model from a trained one's matching tensors (e.g. hybrid from ref-attn).")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
