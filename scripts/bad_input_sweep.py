@@ -322,6 +322,7 @@ def train_cases() -> None:
                     "lr", "resume_length=8", "start_length=8", "max_batch=0", "tokens_per_step=0",
                     "decay_fraction=1.0", "answer_share=1", "save_every_min=0", "weight_decay=Infinity"):
         tr(f"--set {setting}", "--set", setting)
+    tr("--set seed=1 (has its own option)", "--set", "seed=1")
     tr("--set lr twice", "--set", "lr=0.001", "--set", "lr=0.002")
     tr("--minutes 0", "--minutes", "0")
     tr("--minutes nan", "--minutes", "nan")

@@ -56,6 +56,8 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        if key.strip() in ("arch", "minutes", "seed"):
+            raise KVStateError(f"--set {item!r}: {key.strip()} has its own option; pass --{key.strip()} instead")
         if not sep or key.strip() not in names:
             raise KVStateError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(names))}")
         if key.strip() in out:
