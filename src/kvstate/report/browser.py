@@ -10,11 +10,13 @@ uncaught exception and failed resource load; it can also save a screenshot of th
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import select
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -42,6 +44,9 @@ _PROBE = """(async () => {
     missing_anchors: ids.filter(id => !document.getElementById(id)),
   });
 })()"""
+
+
+_TRAMPOLINE = "import os, sys; os.dup2(int(sys.argv[1]), 3); os.dup2(int(sys.argv[2]), 4); os.execv(sys.argv[3], sys.argv[3:])"
 
 
 class BrowserError(KVStateError):
@@ -148,8 +153,9 @@ def check_page(page: Path, width: int = 1400, height: int = 900, screenshot: Pat
     to_child, from_parent = os.pipe()  # we write, Chromium reads on fd 3
     to_parent, from_child = os.pipe()  # Chromium writes on fd 4, we read
     with tempfile.TemporaryDirectory(prefix="kvstate-chromium-") as tmp, open(Path(tmp) / "stderr.log", "wb+") as log:
-        # the shell puts the pipe ends on fds 3 and 4, where --remote-debugging-pipe expects them
-        cmd = ["/bin/sh", "-c", f'exec "$0" "$@" 3<&{to_child} 4>&{from_child}', exe, *FLAGS,
+        # a Python trampoline puts the pipe ends on fds 3 and 4, where --remote-debugging-pipe expects them
+        # (a POSIX shell's redirections take single-digit fds only)
+        cmd = [sys.executable, "-c", _TRAMPOLINE, str(to_child), str(from_child), exe, *FLAGS,
                f"--user-data-dir={Path(tmp) / 'profile'}", f"--window-size={width},{height}", "about:blank"]
         proc = subprocess.Popen(cmd, pass_fds=(to_child, from_child), stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=log)
@@ -174,10 +180,8 @@ def check_page(page: Path, width: int = 1400, height: int = 900, screenshot: Pat
                 shot = tools.call("Page.captureScreenshot", {"format": "png"}, session)
                 screenshot.write_bytes(base64.b64decode(shot["data"]))
             errors = _errors(tools.events)
-            try:
+            with contextlib.suppress(BrowserError):  # it may close the pipe before answering
                 tools.call("Browser.close")
-            except BrowserError:
-                pass  # it may close the pipe before answering
         except BrowserError as exc:
             log.seek(0)
             stderr = log.read().decode(errors="replace")[-2000:]
