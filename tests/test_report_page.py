@@ -58,6 +58,9 @@ def test_headline_counts_met_missed_undecided():
     page = render([Section("k", "T", headline=rows)])
     assert "1 of 3 targets met</strong>, 1 missed, 1 undecided" in page
     assert page.count("class='missed'") == 1 and page.count("class='open'") == 1
+    import numpy as np
+
+    assert HeadlineRow("a", "t", "1", np.float64(1.0) <= 2).met is True  # numpy.bool_ is coerced
 
 
 def test_duplicate_keys_and_bad_figure_names_are_refused(tmp_path):

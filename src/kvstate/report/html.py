@@ -82,6 +82,10 @@ class HeadlineRow:
     measured: str  # this run's value, formatted, e.g. "1.04x"
     met: bool | None  # None when the run could not decide (say why in `measured`)
 
+    def __post_init__(self) -> None:
+        if self.met is not None:  # numpy.bool_ from a comparison of numpy numbers is not `True`
+            object.__setattr__(self, "met", bool(self.met))
+
 
 @dataclass
 class Section:
@@ -179,7 +183,7 @@ table{border-collapse:collapse;margin:.8em 0;font-variant-numeric:tabular-nums}
 caption{text-align:left;font-weight:600;padding:.3em 0}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left}
-table.headline td:nth-child(2),table.headline td:nth-child(1){text-align:left}
+table.headline td,table.headline th{text-align:left} table.headline td:first-child{white-space:nowrap}
 .met{color:#1a7f37;font-weight:700} .missed{color:#c62828;font-weight:700} .open{color:#8a6d00;font-weight:700}
 figure{margin:1em 0} img{max-width:100%;height:auto} details{margin:1em 0} summary{cursor:pointer;color:#0b57d0}
 nav ol{columns:2} a{color:#0b57d0} div.tables{display:flex;flex-wrap:wrap;gap:0 2.5em;align-items:flex-start}
@@ -213,7 +217,8 @@ def _settings(run: dict[str, Any], sections: list[Section]) -> str:
         items.append(("wall time per section", times))
     if not items:
         return ""
-    body = " · ".join(f"{_e(k.replace('_', ' '))} <strong>{_cell(v)}</strong>" for k, v in items)
+    body = " · ".join(f"{_e(k if k.isupper() else k.replace('_', ' '))} <strong>{_cell(v)}</strong>"
+                      for k, v in items)
     return f"<p class='settings' id='run-settings'>Run settings: {body}</p>"
 
 

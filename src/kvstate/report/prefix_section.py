@@ -111,8 +111,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     conclusion = (
         f"The exact DP saved at least as much recompute as every baseline in {wins} of {cells} workload × budget "
         f"cells; its largest lead over the best baseline is {100 * best_gain[0]:.1f} percentage points "
-        f"({best_gain[1].replace('_', ' ')}, M = {best_gain[2]}), at small budgets where the overlap "
-        "distribution is least uniform."
+        f"({best_gain[1].replace('_', ' ')}, M = {best_gain[2]})"
+        + (", at a small budget, where placement matters most." if best_gain[2] <= 4 else ".")
         + (f" On system prompts it matches block-64 caching with {sp['optimal_checkpoints_to_match']} checkpoints "
            f"instead of {sp['block64_checkpoints']}." if sp else "")
         + f" On a Qwen3.5-shaped model, time saved grows linearly with the tokens restored (R² = {t['fit_r2']:.3f}), "
