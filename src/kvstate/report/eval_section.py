@@ -74,7 +74,7 @@ def _score_figure(grids: dict[str, dict[tuple[str, int], float]], out_dir: Path)
         values = [[cells[(t, n)] for n in LENGTHS] for t in TASKS]
         if not plots.heatmap(ax, values, [f"{n:,}" for n in LENGTHS], TASKS, "context length (tokens)", "task",
                              cbar_label="score (exact match; F1 for qa)", vmin=0.0, vmax=1.0):
-            ax.text(0.5, 0.5, f"every cell {values[0][0]:.2f}", ha="center", transform=ax.transAxes)
+            plots.flat_panel(ax, f"every task and length scored {values[0][0]:.2f}")
         ax.set_title(model)
     name = plots.save(fig, out_dir, "eval_scores.png")
     return Figure("Full-cache score per task and context length", name,
@@ -91,11 +91,13 @@ def _depth_figure(grids: dict[str, Any], out_dir: Path) -> Figure | None:
         if not plots.heatmap(ax, values[m], [f"{n:,}" for n in g.lengths], [f"{d:.0%}" for d in g.depths],
                              "context length (tokens)", "needle depth (bin centre)", cbar_label="exact match",
                              vmin=0.0, vmax=1.0):
-            ax.text(0.5, 0.5, f"every cell {values[m][0][0]:.2f}", ha="center", transform=ax.transAxes)
+            flat = next(v for row in values[m] for v in row if not np.isnan(v))
+            plots.flat_panel(ax, f"{flat:.2f} exact match at every\nneedle depth and length")
         ax.set_title(f"{m}: niah_multikey")
     name = plots.save(fig, out_dir, "eval_depth.png")
+    bins = len(next(iter(grids.values())).depths)
     return Figure("Multi-key needle retrieval by needle depth and length", name,
-                  f"{N} examples per length spread evenly over depth, {N // len(grids[m].depths)} per bin.")
+                  f"{N} examples per length spread evenly over depth, {N // bins} per depth bin; colour scale 0–1.")
 
 
 def build(out_dir: Path, models_dir: Path) -> Section:

@@ -4,7 +4,7 @@
 techniques use are fixed below; any other name gets a stable colour from its hash, so a new section's
 methods are consistent without editing this file. ``heatmap`` draws a grid with every cell's value
 written in it and a colour scale fitted to the values present (so 0.95 and 1.00 look different); when
-every cell is equal it returns ``False`` and draws nothing: say it in a table or a sentence instead.
+every cell is equal it returns ``False`` and draws nothing: say it in a table or a sentence instead (``flat_panel``).
 ``save`` writes a figure at the page's width.
 """
 
@@ -76,6 +76,12 @@ def heatmap(ax: Any, values: Sequence[Sequence[float | None]], xlabels: Sequence
     if cbar_label:
         bar.set_label(cbar_label)
     return True
+
+
+def flat_panel(ax: Any, text: str) -> None:
+    """A panel whose grid is one value: no axes, just the sentence (a one-colour heatmap says nothing)."""
+    ax.axis("off")
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=11, wrap=True, transform=ax.transAxes)
 
 
 def figure(width_frac: float = 1.0, height_in: float = 3.8, ncols: int = 1, **kw: Any) -> tuple[Any, Any]:
