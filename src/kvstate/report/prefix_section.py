@@ -92,7 +92,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         HeadlineRow(TECHNIQUE, "exact DP placement saves >= every baseline at every budget",
                     f"{wins} of {cells} workload × budget cells", wins == cells),
         HeadlineRow(TECHNIQUE, f"capturing checkpoints during prefill costs <= {CAPTURE_MAX:.2f}× a plain prefill",
-                    f"{t['capture_ratio']:.2f}×", t["capture_ratio"] <= CAPTURE_MAX),
+                    f"{t['capture_ratio']:.3f}×", t["capture_ratio"] <= CAPTURE_MAX),
         HeadlineRow(TECHNIQUE, f"resumed prefill = full prefill (fp32 max |Δ logit| <= {LOGIT_TOL:.0e}; bf16 "
                     "bit-identical at chunk-aligned checkpoints)",
                     f"{ex['fp32_max_abs_logit_diff']:.1e} fp32; bf16 "
@@ -117,7 +117,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
            f"instead of {sp['block64_checkpoints']}." if sp else "")
         + f" On a Qwen3.5-shaped model, time saved grows linearly with the tokens restored (R² = {t['fit_r2']:.3f}), "
         f"a restore costs at most {pct(t['restore_overhead_max'])} of the time it saves, capturing checkpoints "
-        f"costs {t['capture_ratio']:.2f}× a plain prefill, and resumed logits equal a full prefill to "
+        f"costs {t['capture_ratio']:.3f}× a plain prefill, and resumed logits equal a full prefill to "
         f"{ex['fp32_max_abs_logit_diff']:.1e} (fp32)."
     )
     compact = [pivot([r for r in records if r["workload"] == wl], "M", "method", "saved",
