@@ -11,6 +11,8 @@ PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tr
 .PHONY: setup demo test lint bench clean
 
 $(STAMP): pyproject.toml
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+		|| echo "warning: Chromium not installed; the report's browser test will fail (apt-get install -y chromium)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

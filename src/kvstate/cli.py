@@ -80,13 +80,18 @@ def info(
 def report(
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("report"),
     models_dir: Annotated[Path, typer.Option("--models", help="Directory of embedded reference models.")] = Path("models"),
+    section: Annotated[list[str] | None, typer.Option("--section", help="Only this section (repeatable).")] = None,
 ) -> None:
-    """The main job: every technique's section on the embedded default models → DIR/index.html + summary.json."""
+    """The main job: every technique's section on the embedded default models → DIR/index.html + summary.json.
+
+    Built in a temporary sibling directory and swapped in when complete: a failed run leaves the previous
+    report untouched. A DIR that exists and is not a kvstate report is refused.
+    """
     from kvstate.io_safety import check_output_dir
     from kvstate.report import build_report
 
     check_output_dir(out, overwrite=True)  # an unwritable --out fails before the sections run
-    index = build_report(out, models_dir)
+    index = build_report(out, models_dir, only=section or None)
     console.print(f"report written: {index} and {out / 'summary.json'}")
 
 
