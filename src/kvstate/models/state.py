@@ -21,6 +21,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 from kvstate.errors import KVStateError
 from kvstate.models.families import LayerKind, layer_kinds
+from kvstate.models.resumable import ResumableCache
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,13 @@ def restore_cache(
     snapshot: CacheSnapshot,
     length: int | None = None,
     recurrent: CacheSnapshot | None = None,
-) -> DynamicCache:
-    """A fresh ``DynamicCache`` holding ``snapshot``'s state at ``length`` tokens.
+) -> ResumableCache:
+    """A fresh ``DynamicCache`` (a :class:`ResumableCache`) holding ``snapshot``'s state at ``length`` tokens.
 
     Attention KV comes from ``snapshot`` sliced to ``length`` (default: its full length). Recurrent
     state comes from ``recurrent`` when given (a checkpoint, which must be at ``length``), else from
     ``snapshot`` (then ``length`` must equal ``snapshot.length``: a recurrent state cannot be sliced).
+    The cache reports ``length`` to ``model.generate``, which then feeds only the tokens after it.
     """
     length = snapshot.length if length is None else length
     kinds = layer_kinds(config)
@@ -175,7 +177,7 @@ def restore_cache(
         raise KVStateError(
             f"snapshot has {len(snapshot.layers)} layers but the config has {len(kinds)}: it was taken from another model."
         )
-    cache = DynamicCache(config=config)
+    cache = ResumableCache(config)
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
         if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             att = snapshot.layers[i].attention
@@ -188,4 +190,4 @@ def restore_cache(
             assert rec is not None
             layer.update_conv_state(rec.conv.clone())
             layer.update_recurrent_state(rec.recurrent.clone())
-    return cache
+    return cache.seal(length)

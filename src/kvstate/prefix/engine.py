@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
 from kvstate.models import (
     LayerKind,
+    ResumableCache,
     checkpoint_bytes,
     chunk_size,
     kv_bytes_per_token,
@@ -37,11 +37,14 @@ from kvstate.prefix.store import Entry, Hit, PrefixStore, StoreConfig
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # (1, V) logits of the last position
-    cache: DynamicCache  # the first T-1 tokens: model.generate(input_ids, cache=...) feeds the last one
+    cache: ResumableCache  # the first T-1 tokens: model.generate(input_ids, cache=..., attention_mask=...) feeds the last one
     reused_tokens: int  # tokens restored from the store
     recomputed_tokens: int  # tokens run through the model
     new_tokens: int  # tokens no cached entry shared
     lost_tokens: int  # tokens the KV covered but no checkpoint did (recomputed because of sparsity)
+    attention_mask: (
+        torch.Tensor
+    )  # (1, T) all ones: pass it to generate so its positions agree with the cache's
 
 
 class SparsePrefixCache:
@@ -104,25 +107,42 @@ class SparsePrefixCache:
     def _plan(self, weights: np.ndarray, n: int) -> list[int]:
         if n <= self.align:
             return []
-        return plan_checkpoints(weights, self.slots_per_entry, self.planner, self.align, block_size=self.block_size)
+        return plan_checkpoints(
+            weights, self.slots_per_entry, self.planner, self.align, block_size=self.block_size
+        )
 
-    def _restore(self, kv: Any, recurrent: Any, position: int) -> DynamicCache:
+    def _restore(self, kv: Any, recurrent: Any, position: int) -> ResumableCache:
         if position == 0:
-            return DynamicCache(config=self.config)
-        return restore_cache(self.config, kv if kv is not None else recurrent, length=position, recurrent=recurrent)
+            return ResumableCache(self.config)
+        return restore_cache(
+            self.config, kv if kv is not None else recurrent, length=position, recurrent=recurrent
+        )
 
-    def _restore_entry(self, e: Entry, position: int) -> DynamicCache:
+    def _restore_entry(self, e: Entry, position: int) -> ResumableCache:
         recurrent = None
         if self.store.config.has_recurrent:
             recurrent = e.final if position == e.length - 1 else e.checkpoints[position]
         return self._restore(e.kv, recurrent, position)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor) -> PrefillResult:
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillResult:
+        """Serve one prompt. ``attention_mask`` may be given but must be all ones (a batch of one, no padding):
+        the cache is built with positions ``0..T-1``, which is what ``generate`` uses for an all-ones mask."""
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
-            raise KVStateError(f"input_ids must be one non-empty sequence (1, T); got shape {tuple(input_ids.shape)}.")
+            raise KVStateError(
+                f"input_ids must be one non-empty sequence (1, T); got shape {tuple(input_ids.shape)}."
+            )
+        ones = torch.ones_like(input_ids)
+        if attention_mask is not None and (
+            tuple(attention_mask.shape) != tuple(input_ids.shape) or not bool((attention_mask == 1).all())
+        ):
+            raise KVStateError(
+                f"attention_mask must be all ones with the shape of input_ids {tuple(input_ids.shape)}; got shape "
+                f"{tuple(attention_mask.shape)} with {int((attention_mask == 0).sum())} zeros. The prefix cache serves "
+                "one unpadded sequence: strip the padding before calling prefill."
+            )
         tokens = tuple(int(t) for t in input_ids[0].tolist())
         n = len(tokens)
         with self._lock:
@@ -136,24 +156,34 @@ class SparsePrefixCache:
                 e = store.entry(hit.entry)
                 cache = self._restore_entry(e, n - 1)
                 store.record_request(tokens, hit, computed=0)
-                return PrefillResult(e.final_logits.clone(), cache, n, 0, 0, 0)
+                return PrefillResult(e.final_logits.clone(), cache, n, 0, 0, 0, ones)
             start = hit.position if hit else 0
             cache = self._restore_entry(store.entry(hit.entry), start) if hit else None
             # forward calls end at the planned positions and at n-1 (the returned cache's end)
-            cuts = sorted(set(store.wanted_positions(tokens, start, hit, prior)) | ({n - 1} if n - 1 > start else set()))
-            out = segmented_prefill(self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent")
-            kv = snapshot_cache(out.cache, n, self._kinds).attention_only() if store.config.has_attention else None
+            cuts = sorted(
+                set(store.wanted_positions(tokens, start, hit, prior)) | ({n - 1} if n - 1 > start else set())
+            )
+            out = segmented_prefill(
+                self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent"
+            )
+            kv = (
+                snapshot_cache(out.cache, n, self._kinds).attention_only()
+                if store.config.has_attention
+                else None
+            )
             rec = None
             if store.config.has_recurrent and n > 1:
                 rec = out.snapshots[n - 1] if n - 1 > start else store.entry(hit.entry).checkpoints.get(n - 1)  # type: ignore[union-attr]
                 if rec is None and hit is not None and n - 1 == store.entry(hit.entry).length - 1:
                     rec = store.entry(hit.entry).final
-            store.record_request(tokens, hit, computed=n - start)  # before admit: it may replace the hit entry
+            store.record_request(
+                tokens, hit, computed=n - start
+            )  # before admit: it may replace the hit entry
             store.attach_captures(tokens, out.snapshots)
             if n > 1 and (rec is not None or not store.config.has_recurrent):
                 store.admit(tokens, hit, kv, rec, out.logits.clone(), out.snapshots, prior)
             # hand back the state after n-1 tokens: model.generate feeds the last prompt token itself
-            result_cache = self._restore(kv, rec, n - 1) if n > 1 else DynamicCache(config=self.config)
+            result_cache = self._restore(kv, rec, n - 1) if n > 1 else ResumableCache(self.config)
             return PrefillResult(
                 logits=out.logits,
                 cache=result_cache,
@@ -161,6 +191,7 @@ class SparsePrefixCache:
                 recomputed_tokens=n - start,
                 new_tokens=n - (hit.overlap if hit else 0),
                 lost_tokens=hit.lost if hit else 0,
+                attention_mask=ones,
             )
 
     def lookup(self, input_ids: torch.Tensor) -> Hit | None:
