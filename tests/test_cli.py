@@ -110,7 +110,7 @@ def test_plan_compares_methods_from_weights_and_trace(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
     write_trace(tmp_path / "t.jsonl", generate("quality", 30, seed=0, scale=0.02))
     res = runner.invoke(app, ["plan", "--trace", str(tmp_path / "t.jsonl"), "--slots", "4", "--method", "optimal"])
-    assert res.exit_code == 0, res.output and "optimal" in res.output
+    assert res.exit_code == 0 and "optimal" in res.output, res.output
 
 
 def test_plan_bad_input_exits_2(tmp_path):

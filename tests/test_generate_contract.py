@@ -122,4 +122,4 @@ def test_prefill_refuses_a_mask_with_zeros_or_the_wrong_shape(mask):
     cache = SparsePrefixCache(model, budget_bytes=64 * MiB, align=8)
     with pytest.raises(KVStateError, match="attention_mask must be all ones"):
         cache.prefill(_ids(4, seed=5), attention_mask=mask)
-    assert len(cache.store) == 0
+    assert cache.store.used_bytes == 0 and not cache.store.nodes()
