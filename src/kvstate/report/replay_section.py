@@ -91,6 +91,20 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     summary: dict[str, object] = {}
     headline: list[HeadlineRow] = []
     tables: list[Table] = []
+    if not (models_dir / "ref-hybrid" / "config.json").is_file():
+        return Section(
+            key="prefix_replay",
+            title="Position: the prefix cache served online (trace replay on ref-hybrid)",
+            intro=f"No reference model at {models_dir / 'ref-hybrid'}: nothing to replay.",
+            headline=[
+                HeadlineRow(
+                    TECH,
+                    "QuALITY replay: tokens reused ≥ 0.9× the offline prediction",
+                    "no ref-hybrid model in this run",
+                    None,
+                )
+            ],
+        )
     live_rows, summary["live"] = _live(models_dir)
     tables.append(
         Table(
