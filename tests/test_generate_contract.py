@@ -17,7 +17,7 @@ from tests.conftest import FAMILIES, get_model
 
 MiB = 1 << 20
 PAD = 0
-STEPS = 5
+STEPS = 4
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:

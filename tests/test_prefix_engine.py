@@ -156,7 +156,7 @@ def test_concurrent_prefills_are_exact():
 
 
 @pytest.mark.parametrize("policy", ["lru", "utility"])
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(

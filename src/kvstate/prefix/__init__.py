@@ -8,6 +8,7 @@
   sparse recurrent checkpoints under one byte budget, exact resume.
 """
 
+from importlib import import_module
 from typing import Any
 
 from kvstate.prefix.config import PrefixCacheConfig
@@ -54,7 +55,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # torch glue loads on first use, so the pure modules (and ``kvstate plan``) import without torch
     if name in ("PrefillResult", "SparsePrefixCache"):
-        from kvstate.prefix import engine
-
-        return getattr(engine, name)
+        return getattr(import_module("kvstate.prefix.engine"), name)
     raise AttributeError(f"module 'kvstate.prefix' has no attribute {name!r}")
