@@ -86,15 +86,13 @@ def test_overlap_histogram_valid_or_value_error(n, gamma, alpha, bin_width, dept
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(budget=ANY, slots=ANY, align=ANY, alpha=ANY, gamma=ANY, drift=ANY, block=ANY)
-def test_sparse_prefix_cache_valid_or_kvstate_error(budget, slots, align, alpha, gamma, drift, block):
+@given(budget=ANY, slots=ANY, align=ANY, alpha=ANY, block=ANY)
+def test_sparse_prefix_cache_valid_or_kvstate_error(budget, slots, align, alpha, block):
     model = get_model("qwen3_5")
     try:
-        cache = SparsePrefixCache(model, budget, slots, align=align, alpha=alpha, gamma=gamma,
-                                  drift_threshold=drift, block_size=block)
+        cache = SparsePrefixCache(model, budget, slots, align=align, alpha=alpha, block_size=block)
     except KVStateError as exc:
-        assert any(name in str(exc) for name in ("budget_bytes", "slots_per_entry", "align", "alpha", "gamma",
-                                                  "drift_threshold", "block_size"))
+        assert any(name in str(exc) for name in ("budget_bytes", "slots_per_entry", "align", "alpha", "block_size"))
         return
     assert cache.store.config.budget_bytes == budget and math.isfinite(cache.store.config.budget_bytes)
 

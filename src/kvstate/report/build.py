@@ -32,6 +32,7 @@ SectionBuilder = Callable[[Path, Path], Section]
 SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("model state", model_state.build),
     ("prefix caching", prefix_section.build),
+    ("prefix replay", __import__("kvstate.report.replay_section", fromlist=["build"]).build),
     ("reference models", eval_section.build),
 ]
 
