@@ -1,0 +1,154 @@
+"""One attention layer's two-tier span store and its mixed-resolution attention.
+
+From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory":
+
+- *fast tier* (the model's device): full K/V of the anchors (sinks, surprisal anchors, recent window and
+  every token fed after compression), and per span and KV head a summary key / value (mean of the
+  span's keys / values), a routing summary (:meth:`SemanticRouter.route_keys`) and the span's log size;
+- *slow tier* (CPU): each span's keys and values as low-rank SVD factors (:mod:`kvstate.semantic.lowrank`).
+
+:meth:`SpanStore.attend` is the mixed-resolution attention: anchors at full resolution; each
+unexpanded span as one entry ``(summary key, summary value)`` with ``log |S|`` added to its logit (the
+softmax weight of ``|S|`` copies of the summary); each expanded span as its reconstructed tokens. Spans
+are expanded per KV head when the relevance of any of that head's queries passes its threshold. With
+every span expanded at full rank this equals full attention. Bytes are the ``nbytes`` of the tensors
+held; span bookkeeping (positions) lives in the :class:`~kvstate.semantic.segment.Segmentation`.
+Ignored: asynchronous prefetch of the next layer's spans (on CPU there is no copy engine to overlap).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvstate.semantic.lowrank import LowRank, encode
+from kvstate.semantic.router import SemanticRouter
+from kvstate.semantic.segment import Segmentation
+
+Zoom = Literal["learned", "all", "none"]
+
+
+@dataclass
+class SpanStore:
+    anchor_k: torch.Tensor  # (1, H, A, D) full-resolution keys (anchors + tokens fed since compression)
+    anchor_v: torch.Tensor  # (1, H, A, D)
+    sum_k: torch.Tensor  # (1, H, S, D) mean key per span
+    sum_v: torch.Tensor  # (1, H, S, D) mean value per span
+    route: torch.Tensor  # (H, S, R) normalised routing summary per span
+    log_n: torch.Tensor  # (S,) log of each span's token count
+    slow: list[tuple[LowRank, LowRank]] = field(default_factory=list)  # per span: (keys, values), on CPU
+    n_tail: int = 0  # trailing anchor entries in the recent window (compressed when they leave it)
+    expanded: list[float] = field(default_factory=list)  # per attend call: expanded fraction of span tokens
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
+              router: SemanticRouter, layer: int, rank: int | None, recent: int) -> SpanStore:
+        """Compress a full layer (1, H, T, D) by ``seg``; ``weights`` are per-span surprisal weights."""
+        idx = torch.as_tensor(seg.anchors, dtype=torch.long)
+        store = cls(keys[:, :, idx].contiguous(), values[:, :, idx].contiguous(),
+                    keys.new_zeros(1, keys.shape[1], 0, keys.shape[3]), values.new_zeros(1, keys.shape[1], 0, keys.shape[3]),
+                    keys.new_zeros(keys.shape[1], 0, router.config.routing_dim), keys.new_zeros(0))
+        store.n_tail = int(min(recent, seg.length, len(seg.anchors)))
+        spans = [(int(a), int(b)) for a, b in seg.spans]
+        store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, rank)
+        return store
+
+    def _add_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]],
+                   weights: list[torch.Tensor], router: SemanticRouter, layer: int, rank: int | None) -> None:
+        """Append spans [a, b) of keys / values (H, T, D) to both tiers."""
+        if not spans:
+            return
+        sk, sv, rt, ln = [], [], [], []
+        with torch.no_grad():
+            for (a, b), w in zip(spans, weights, strict=True):
+                k, v = keys[:, a:b], values[:, a:b]  # (H, n, D)
+                sk.append(k.mean(1))
+                sv.append(v.mean(1))
+                rt.append(router.route_keys(layer, k, w).to(keys.dtype))
+                ln.append(float(np.log(b - a)))
+                self.slow.append((encode(k.cpu(), rank, router.rank_gate, False, k.dtype),
+                                  encode(v.cpu(), rank, router.rank_gate, True, v.dtype)))
+        self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
+        self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
+        self.route = torch.cat([self.route, torch.stack(rt, 1)], 1)
+        self.log_n = torch.cat([self.log_n, self.log_n.new_tensor(ln)])
+
+    @property
+    def n_spans(self) -> int:
+        return int(self.log_n.shape[0])
+
+    def fast_nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.sum_k, self.sum_v, self.route, self.log_n))
+
+    def slow_nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.slow)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, router: SemanticRouter, layer: int,
+               rank: int | None, recent: int, max_span: int) -> None:
+        """Add fed tokens (1, H, t, D) at full resolution; compress the oldest once they leave the window."""
+        self.anchor_k = torch.cat([self.anchor_k, keys], 2)
+        self.anchor_v = torch.cat([self.anchor_v, values], 2)
+        self.n_tail += keys.shape[2]
+        while self.n_tail > recent + max_span:
+            a = self.anchor_k.shape[2] - self.n_tail
+            k, v = self.anchor_k[0, :, a:a + max_span], self.anchor_v[0, :, a:a + max_span]
+            self._add_spans(k, v, [(0, max_span)], [torch.full((max_span,), 1.0 / max_span)], router, layer, rank)
+            keep = torch.ones(self.anchor_k.shape[2], dtype=torch.bool)
+            keep[a:a + max_span] = False
+            self.anchor_k, self.anchor_v = self.anchor_k[:, :, keep], self.anchor_v[:, :, keep]
+            self.n_tail -= max_span
+
+    def decide(self, query: torch.Tensor, router: SemanticRouter, layer: int, zoom: Zoom) -> torch.Tensor:
+        """Which spans each KV head expands: query (Hq, Tq, D) → (H, S) bool."""
+        h, s = self.sum_k.shape[1], self.n_spans
+        if zoom == "all":
+            return torch.ones(h, s, dtype=torch.bool)
+        if zoom == "none" or s == 0:
+            return torch.zeros(h, s, dtype=torch.bool)
+        rel = router.relevance(layer, query, self.route)  # (Hq, Tq, S)
+        hit = (rel > router.thresholds(layer)[:, None, None]).any(1)  # (Hq, S)
+        return hit.view(h, -1, s).any(1)
+
+    def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
+               zoom: Zoom) -> torch.Tensor:
+        """Mixed-resolution attention of the fed tokens' queries (1, Hq, Tq, D) → (1, Hq, Tq, D).
+
+        The last Tq anchor entries are the fed tokens themselves (causal among each other).
+        """
+        q = query[0]  # (Hq, Tq, D)
+        hq, tq, _ = q.shape
+        h = self.anchor_k.shape[1]
+        g = hq // h
+        ka, va = self.anchor_k[0].repeat_interleave(g, 0), self.anchor_v[0].repeat_interleave(g, 0)  # (Hq, A, D)
+        a = ka.shape[1]
+        logits = [q @ ka.transpose(-1, -2) * scaling]  # (Hq, Tq, A)
+        causal = torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]  # (Tq, A)
+        logits[0] = logits[0].masked_fill(causal, float("-inf"))
+        vals = [va]
+        with torch.no_grad():
+            expand = self.decide(q, router, layer, zoom)  # (H, S)
+        if self.n_spans:
+            ks, vs = self.sum_k[0].repeat_interleave(g, 0), self.sum_v[0].repeat_interleave(g, 0)  # (Hq, S, D)
+            ls = q @ ks.transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (Hq, Tq, S)
+            ex_q = expand.repeat_interleave(g, 0)  # (Hq, S)
+            logits.append(ls.masked_fill(ex_q[:, None, :], float("-inf")))
+            vals.append(vs)
+            chosen = torch.nonzero(expand.any(0)).flatten().tolist()
+            if chosen:
+                rk = torch.cat([self.slow[i][0].reconstruct(q.dtype, q.device) for i in chosen], 1)  # (H, n_exp, D)
+                rv = torch.cat([self.slow[i][1].reconstruct(q.dtype, q.device) for i in chosen], 1)
+                owner = torch.cat([torch.full((self.slow[i][0].a.shape[1],), i) for i in chosen])  # (n_exp,)
+                visible = ex_q[:, owner]  # (Hq, n_exp)
+                le = q @ rk.repeat_interleave(g, 0).transpose(-1, -2) * scaling  # (Hq, Tq, n_exp)
+                logits.append(le.masked_fill(~visible[:, None, :], float("-inf")))
+                vals.append(rv.repeat_interleave(g, 0))
+                n_tok = torch.exp(self.log_n).round()
+                self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
+            else:
+                self.expanded.append(0.0)
+        p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)  # (Hq, Tq, A + S + n_exp)
+        out = p @ torch.cat(vals, 1)  # (Hq, Tq, D)
+        return out[None]
