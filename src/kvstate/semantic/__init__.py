@@ -8,9 +8,15 @@ two-tier span store with mixed-resolution attention (:mod:`~kvstate.semantic.sto
 """
 
 from kvstate.semantic.attention import SEKV, register, semantic_attention
-from kvstate.semantic.cache import SemanticCache, SemanticConfig, SemanticLayer, prefill_and_compress, surprisal
+from kvstate.semantic.cache import (
+    SemanticCache,
+    SemanticConfig,
+    SemanticLayer,
+    prefill_and_compress,
+    surprisal,
+)
 from kvstate.semantic.router import RouterConfig, RouterMismatchError, SemanticRouter, model_fingerprint
-from kvstate.semantic.segment import SegmentConfig, Segmentation, fit_budget, segment
+from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, segment
 
 __all__ = [
     "SEKV",

@@ -174,7 +174,7 @@ def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([nll.new_zeros(1), nll])
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: recurrent layers update their state in place later
 def prefill_and_compress(model: Any, cache: SemanticCache, ids: torch.Tensor) -> torch.Tensor:
     """Prefill ``ids`` (1, T) at full resolution into ``cache``, compress it, return the logits (1, T, V)."""
     t = ids.shape[1]

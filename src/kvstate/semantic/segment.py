@@ -15,6 +15,7 @@ earlier position, so a segmentation is a deterministic function of its inputs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,7 +110,7 @@ def spans_from_anchors(anchor_mask: npt.NDArray[np.bool_], config: SegmentConfig
         else:
             pieces = -(-run // config.max_span)  # ceil
             bounds = [t + (run * i) // pieces for i in range(pieces + 1)]
-            spans.extend(zip(bounds[:-1], bounds[1:], strict=True))
+            spans.extend(itertools.pairwise(bounds))
         t = end
     arr = np.array(spans, dtype=np.int64).reshape(-1, 2)
     return Segmentation(length, np.flatnonzero(mask).astype(np.int64), arr)
@@ -125,7 +126,7 @@ def segment(surprisal: FloatArray, config: SegmentConfig, n_anchors: int | None 
     forced = forced_mask(len(s), config)
     order = surprisal_order(s, forced)
     if n_anchors is not None:
-        if not 0 <= n_anchors:
+        if not n_anchors >= 0:
             raise ValueError(f"n_anchors={n_anchors} must be >= 0")
         chosen = order[:n_anchors]
     elif config.threshold is not None:
