@@ -40,12 +40,15 @@ class SemanticConfig:
     segment: SegmentConfig = field(default_factory=SegmentConfig)
     zoom: Zoom = "learned"  # "all" / "none": expand every / no span (oracle and ablation)
     rank: int | None = None  # fixed slow-tier rank (>= head_dim: exact); None = the rank-gate predictor
+    slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, (int, float)) or not 0.0 < self.budget <= 1.0:
             raise KVStateError(f"SemanticConfig.budget={self.budget!r} must be in (0, 1] (fast-tier bytes / full KV bytes)")
-        if self.zoom not in ("learned", "all", "none"):
-            raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be 'learned', 'all' or 'none'")
+        if self.zoom not in ("learned", "all", "none", "soft"):
+            raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be 'learned', 'all', 'none' or 'soft' (training)")
+        if not self.slow_tier and self.zoom != "none":
+            raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
             raise KVStateError(f"SemanticConfig.rank={self.rank!r} must be an int >= 1 or None (predicted)")
 
@@ -74,7 +77,7 @@ class SemanticLayer(DynamicLayer):
                                "`with kvstate.semantic.semantic_attention(model):`")
         c = self.owner.config
         self.store.append(key_states, value_states, self.owner.router, self.layer_idx, c.rank,
-                          c.segment.recent, c.segment.max_span)
+                          c.segment.recent, c.segment.max_span, c.slow_tier)
         return self.store.anchor_k, self.store.anchor_v
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -84,7 +87,7 @@ class SemanticLayer(DynamicLayer):
     def compress(self, seg: Segmentation, weights: list[np.ndarray]) -> None:
         c = self.owner.config
         self.store = SpanStore.build(self.keys, self.values, seg, weights, self.owner.router, self.layer_idx,
-                                     c.rank, c.segment.recent)
+                                     c.rank, c.segment.recent, c.slow_tier)
         self.keys = self.values = None
 
     def get_seq_length(self) -> int:

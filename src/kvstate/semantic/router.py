@@ -105,6 +105,14 @@ class SemanticRouter(nn.Module):
         cos = q @ s.transpose(-1, -2)  # (Hq, Tq, S)
         return torch.sigmoid(self.alpha[layer] * cos + self.beta[layer])
 
+    def zoom_logits(self, layer: int, query: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+        """``alpha * cos + beta - theta_h``: positive exactly where relevance > threshold. (Hq, Tq, S)."""
+        group = self.config.n_heads // self.config.n_kv_heads
+        q = nn.functional.normalize(query.float() @ self.q_proj[layer], dim=-1)  # (Hq, Tq, R)
+        s = summaries.float().repeat_interleave(group, dim=0)  # (Hq, S, R)
+        cos = q @ s.transpose(-1, -2)  # (Hq, Tq, S)
+        return self.alpha[layer] * cos + self.beta[layer] - self.theta[layer][:, None, None]
+
     def thresholds(self, layer: int) -> torch.Tensor:
         return torch.sigmoid(self.theta[layer])  # (Hq,)
 

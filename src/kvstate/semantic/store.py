@@ -28,7 +28,7 @@ from kvstate.semantic.lowrank import LowRank, encode
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation
 
-Zoom = Literal["learned", "all", "none"]
+Zoom = Literal["learned", "all", "none", "soft"]  # "soft": differentiable gates, for training only
 
 
 @dataclass
@@ -45,7 +45,7 @@ class SpanStore:
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
-              router: SemanticRouter, layer: int, rank: int | None, recent: int) -> SpanStore:
+              router: SemanticRouter, layer: int, rank: int | None, recent: int, slow_tier: bool = True) -> SpanStore:
         """Compress a full layer (1, H, T, D) by ``seg``; ``weights`` are per-span surprisal weights."""
         idx = torch.as_tensor(seg.anchors, dtype=torch.long)
         store = cls(keys[:, :, idx].contiguous(), values[:, :, idx].contiguous(),
@@ -53,11 +53,13 @@ class SpanStore:
                     keys.new_zeros(keys.shape[1], 0, router.config.routing_dim), keys.new_zeros(0))
         store.n_tail = int(min(recent, seg.length, len(seg.anchors)))
         spans = [(int(a), int(b)) for a, b in seg.spans]
-        store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, rank)
+        store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, rank,
+                         slow_tier)
         return store
 
     def _add_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]],
-                   weights: list[torch.Tensor], router: SemanticRouter, layer: int, rank: int | None) -> None:
+                   weights: list[torch.Tensor], router: SemanticRouter, layer: int, rank: int | None,
+                   slow_tier: bool) -> None:
         """Append spans [a, b) of keys / values (H, T, D) to both tiers."""
         if not spans:
             return
@@ -69,8 +71,9 @@ class SpanStore:
                 sv.append(v.mean(1))
                 rt.append(router.route_keys(layer, k, w).to(keys.dtype))
                 ln.append(float(np.log(b - a)))
-                self.slow.append((encode(k.cpu(), rank, router.rank_gate, False, k.dtype),
-                                  encode(v.cpu(), rank, router.rank_gate, True, v.dtype)))
+                if slow_tier:
+                    self.slow.append((encode(k.cpu(), rank, router.rank_gate, False, k.dtype),
+                                      encode(v.cpu(), rank, router.rank_gate, True, v.dtype)))
         self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
         self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
         self.route = torch.cat([self.route, torch.stack(rt, 1)], 1)
@@ -87,7 +90,7 @@ class SpanStore:
         return sum(k.nbytes + v.nbytes for k, v in self.slow)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, router: SemanticRouter, layer: int,
-               rank: int | None, recent: int, max_span: int) -> None:
+               rank: int | None, recent: int, max_span: int, slow_tier: bool = True) -> None:
         """Add fed tokens (1, H, t, D) at full resolution; compress the oldest once they leave the window."""
         self.anchor_k = torch.cat([self.anchor_k, keys], 2)
         self.anchor_v = torch.cat([self.anchor_v, values], 2)
@@ -95,7 +98,8 @@ class SpanStore:
         while self.n_tail > recent + max_span:
             a = self.anchor_k.shape[2] - self.n_tail
             k, v = self.anchor_k[0, :, a:a + max_span], self.anchor_v[0, :, a:a + max_span]
-            self._add_spans(k, v, [(0, max_span)], [torch.full((max_span,), 1.0 / max_span)], router, layer, rank)
+            self._add_spans(k, v, [(0, max_span)], [torch.full((max_span,), 1.0 / max_span)], router, layer, rank,
+                            slow_tier)
             keep = torch.ones(self.anchor_k.shape[2], dtype=torch.bool)
             keep[a:a + max_span] = False
             self.anchor_k, self.anchor_v = self.anchor_k[:, :, keep], self.anchor_v[:, :, keep]
@@ -104,12 +108,11 @@ class SpanStore:
     def decide(self, query: torch.Tensor, router: SemanticRouter, layer: int, zoom: Zoom) -> torch.Tensor:
         """Which spans each KV head expands: query (Hq, Tq, D) → (H, S) bool."""
         h, s = self.sum_k.shape[1], self.n_spans
-        if zoom == "all":
+        if zoom in ("all", "soft"):
             return torch.ones(h, s, dtype=torch.bool)
         if zoom == "none" or s == 0:
             return torch.zeros(h, s, dtype=torch.bool)
-        rel = router.relevance(layer, query, self.route)  # (Hq, Tq, S)
-        hit = (rel > router.thresholds(layer)[:, None, None]).any(1)  # (Hq, S)
+        hit = (router.zoom_logits(layer, query, self.route) > 0).any(1)  # relevance > threshold: (Hq, S)
         return hit.view(h, -1, s).any(1)
 
     def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
@@ -129,12 +132,17 @@ class SpanStore:
         logits[0] = logits[0].masked_fill(causal, float("-inf"))
         vals = [va]
         with torch.no_grad():
-            expand = self.decide(q, router, layer, zoom)  # (H, S)
+            expand = self.decide(q.detach(), router, layer, zoom)  # (H, S)
         if self.n_spans:
             ks, vs = self.sum_k[0].repeat_interleave(g, 0), self.sum_v[0].repeat_interleave(g, 0)  # (Hq, S, D)
             ls = q @ ks.transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (Hq, Tq, S)
             ex_q = expand.repeat_interleave(g, 0)  # (Hq, S)
-            logits.append(ls.masked_fill(ex_q[:, None, :], float("-inf")))
+            soft = None
+            if zoom == "soft":  # summary weighted by 1 - gate, its tokens by gate (training relaxation)
+                soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype)  # (Hq, Tq, S)
+                logits.append(ls + torch.log1p(-soft + 1e-6))
+            else:
+                logits.append(ls.masked_fill(ex_q[:, None, :], float("-inf")))
             vals.append(vs)
             chosen = torch.nonzero(expand.any(0)).flatten().tolist()
             if chosen:
@@ -143,7 +151,10 @@ class SpanStore:
                 owner = torch.cat([torch.full((self.slow[i][0].a.shape[1],), i) for i in chosen])  # (n_exp,)
                 visible = ex_q[:, owner]  # (Hq, n_exp)
                 le = q @ rk.repeat_interleave(g, 0).transpose(-1, -2) * scaling  # (Hq, Tq, n_exp)
-                logits.append(le.masked_fill(~visible[:, None, :], float("-inf")))
+                if soft is not None:
+                    logits.append(le + torch.log(soft[:, :, owner] + 1e-6))
+                else:
+                    logits.append(le.masked_fill(~visible[:, None, :], float("-inf")))
                 vals.append(rv.repeat_interleave(g, 0))
                 n_tok = torch.exp(self.log_n).round()
                 self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
