@@ -119,47 +119,45 @@ class SpanStore:
                zoom: Zoom) -> torch.Tensor:
         """Mixed-resolution attention of the fed tokens' queries (1, Hq, Tq, D) → (1, Hq, Tq, D).
 
-        The last Tq anchor entries are the fed tokens themselves (causal among each other).
+        The last Tq anchor entries are the fed tokens themselves (causal among each other). Query heads
+        are grouped per KV head as rows (H, g * Tq) so no key or value is copied per query head.
         """
         q = query[0]  # (Hq, Tq, D)
-        hq, tq, _ = q.shape
+        hq, tq, d = q.shape
         h = self.anchor_k.shape[1]
         g = hq // h
-        ka, va = self.anchor_k[0].repeat_interleave(g, 0), self.anchor_v[0].repeat_interleave(g, 0)  # (Hq, A, D)
+        qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D), rows ordered (group head, token)
+        ka, va = self.anchor_k[0], self.anchor_v[0]  # (H, A, D)
         a = ka.shape[1]
-        logits = [q @ ka.transpose(-1, -2) * scaling]  # (Hq, Tq, A)
-        causal = torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]  # (Tq, A)
-        logits[0] = logits[0].masked_fill(causal, float("-inf"))
+        causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
+        logits = [(qg @ ka.transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]  # (H, g*Tq, A)
         vals = [va]
         with torch.no_grad():
             expand = self.decide(q.detach(), router, layer, zoom)  # (H, S)
         if self.n_spans:
-            ks, vs = self.sum_k[0].repeat_interleave(g, 0), self.sum_v[0].repeat_interleave(g, 0)  # (Hq, S, D)
-            ls = q @ ks.transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (Hq, Tq, S)
-            ex_q = expand.repeat_interleave(g, 0)  # (Hq, S)
+            ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
             soft = None
             if zoom == "soft":  # summary weighted by 1 - gate, its tokens by gate (training relaxation)
-                soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype)  # (Hq, Tq, S)
+                soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype).reshape(h, g * tq, -1)
                 logits.append(ls + torch.log1p(-soft + 1e-6))
             else:
-                logits.append(ls.masked_fill(ex_q[:, None, :], float("-inf")))
-            vals.append(vs)
+                logits.append(ls.masked_fill(expand[:, None, :], float("-inf")))
+            vals.append(self.sum_v[0])
             chosen = torch.nonzero(expand.any(0)).flatten().tolist()
             if chosen:
                 rk = torch.cat([self.slow[i][0].reconstruct(q.dtype, q.device) for i in chosen], 1)  # (H, n_exp, D)
                 rv = torch.cat([self.slow[i][1].reconstruct(q.dtype, q.device) for i in chosen], 1)
                 owner = torch.cat([torch.full((self.slow[i][0].a.shape[1],), i) for i in chosen])  # (n_exp,)
-                visible = ex_q[:, owner]  # (Hq, n_exp)
-                le = q @ rk.repeat_interleave(g, 0).transpose(-1, -2) * scaling  # (Hq, Tq, n_exp)
+                le = qg @ rk.transpose(-1, -2) * scaling  # (H, g*Tq, n_exp)
                 if soft is not None:
                     logits.append(le + torch.log(soft[:, :, owner] + 1e-6))
                 else:
-                    logits.append(le.masked_fill(~visible[:, None, :], float("-inf")))
-                vals.append(rv.repeat_interleave(g, 0))
+                    logits.append(le.masked_fill(~expand[:, owner][:, None, :], float("-inf")))
+                vals.append(rv)
                 n_tok = torch.exp(self.log_n).round()
                 self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
             else:
                 self.expanded.append(0.0)
-        p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)  # (Hq, Tq, A + S + n_exp)
-        out = p @ torch.cat(vals, 1)  # (Hq, Tq, D)
-        return out[None]
+        p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)  # (H, g*Tq, A + S + n_exp)
+        out = p @ torch.cat(vals, 1)  # (H, g*Tq, D)
+        return out.reshape(1, hq, tq, d)
