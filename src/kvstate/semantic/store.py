@@ -42,6 +42,8 @@ class SpanStore:
     slow: list[tuple[LowRank, LowRank]] = field(default_factory=list)  # per span: (keys, values), on CPU
     n_tail: int = 0  # trailing anchor entries in the recent window (compressed when they leave it)
     expanded: list[float] = field(default_factory=list)  # per attend call: expanded fraction of span tokens
+    # working set: spans expanded at the last call, reconstructed; kept only while they stay expanded
+    _working: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
@@ -115,6 +117,18 @@ class SpanStore:
         hit = (router.zoom_logits(layer, query, self.route) > 0).any(1)  # relevance > threshold: (Hq, S)
         return hit.view(h, -1, s).any(1)
 
+    def _reconstruct(self, chosen: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token-level K/V (H, n_exp, D) of the chosen spans and each token's span index (n_exp,)."""
+        work = {i: self._working.get(i) or (self.slow[i][0].reconstruct(dtype, device),
+                                            self.slow[i][1].reconstruct(dtype, device)) for i in chosen}
+        self._working = work
+        rk = torch.cat([work[i][0] for i in chosen], 1)  # (H, n_exp, D)
+        rv = torch.cat([work[i][1] for i in chosen], 1)
+        sizes = torch.tensor([work[i][0].shape[1] for i in chosen])
+        owner = torch.repeat_interleave(torch.tensor(chosen), sizes)  # (n_exp,) span index of each token
+        return rk, rv, owner
+
     def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
                zoom: Zoom) -> torch.Tensor:
         """Mixed-resolution attention of the fed tokens' queries (1, Hq, Tq, D) → (1, Hq, Tq, D).
@@ -143,11 +157,9 @@ class SpanStore:
             else:
                 logits.append(ls.masked_fill(expand[:, None, :], float("-inf")))
             vals.append(self.sum_v[0])
-            chosen = torch.nonzero(expand.any(0)).flatten().tolist()
+            chosen = tuple(torch.nonzero(expand.any(0)).flatten().tolist())
             if chosen:
-                rk = torch.cat([self.slow[i][0].reconstruct(q.dtype, q.device) for i in chosen], 1)  # (H, n_exp, D)
-                rv = torch.cat([self.slow[i][1].reconstruct(q.dtype, q.device) for i in chosen], 1)
-                owner = torch.cat([torch.full((self.slow[i][0].a.shape[1],), i) for i in chosen])  # (n_exp,)
+                rk, rv, owner = self._reconstruct(chosen, q.dtype, q.device)
                 le = qg @ rk.transpose(-1, -2) * scaling  # (H, g*Tq, n_exp)
                 if soft is not None:
                     logits.append(le + torch.log(soft[:, :, owner] + 1e-6))
