@@ -5,7 +5,8 @@ keeps each span's keys and values as a low-rank SVD basis; a light predictor giv
 a soft gate from the span's spectrum, and the span's rank is the number of gates above one half (at
 least 1). ``A = U_r diag(S_r)`` (n, r) and ``B = V_r^T`` (r, D) are stored; ``A @ B`` reconstructs the
 tokens. At full rank ``r = min(n, D)`` the reconstruction is exact up to float rounding (the SVD runs in
-float64). Ignored: a memory-mapped slow tier (tensors stay in CPU memory).
+float64). A predicted rank is capped so the factors never take more bytes than the raw tokens
+(``n r + r D <= n D``); a fixed rank is used as given (full rank is the oracle in the tests). Ignored: a memory-mapped slow tier (tensors stay in CPU memory).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def encode(x: torch.Tensor, rank: int | None, gate: RankGate | None, is_value: b
             raise ValueError("encode: pass a fixed rank or a RankGate")
         with torch.no_grad():
             r = rank_from_gates(gate(s, is_value))
+        # never store more than the raw tokens: n*r + r*D <= n*D
+        r = max(1, min(r, (x.shape[1] * x.shape[2]) // (x.shape[1] + x.shape[2])))
     else:
         if rank < 1:
             raise ValueError(f"encode: rank={rank} must be >= 1")
