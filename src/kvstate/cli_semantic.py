@@ -59,6 +59,19 @@ def train_command(
     print(json.dumps({k: manifest[k] for k in ("steps", "minutes", "trainable_parameters", "trainable_fraction")}))
 
 
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s rows and cells added; rows of the same (method, budget, task, length) replaced."""
+    def key(r: dict) -> tuple:
+        return (r["method"], r["budget"], r["task"], r["length"])
+
+    replaced = {key(r) for r in new["results"]}
+    merged = dict(new)
+    merged["results"] = [r for r in old["results"] if key(r) not in replaced] + new["results"]
+    merged["cells"] = [c for c in old.get("cells", []) if key(c) not in replaced] + new.get("cells", [])
+    merged["command"] = "; ".join(x for x in (old.get("command", ""), new.get("command", "")) if x)
+    return merged
+
+
 def default_router_dir(model: Path) -> Path:
     """Where ``kvstate semantic eval`` looks for a router by default: ``<model dir>-sekv`` next to it."""
     return model.parent / f"{model.name}-sekv"
@@ -77,6 +90,7 @@ def eval_command(
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(help="Also write the JSON here (atomically).")] = None,
+    append: Annotated[bool, typer.Option(help="Merge into an existing --save file (same rows replaced).")] = False,
     threads: Annotated[int, typer.Option(help="torch threads (also for the kvpress runner).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON line last.")] = False,
 ) -> None:
@@ -159,6 +173,8 @@ def eval_command(
     console.print(table)
     text = json.dumps(result)
     if save is not None:
+        if append and save.is_file():
+            result = merge_results(json.loads(save.read_text()), result)
         atomic_write_text(save, json.dumps(result, indent=1) + "\n")
         if (save.parent / "manifest.json").is_file():
             from kvstate.semantic.card import write_card
