@@ -155,7 +155,7 @@ def train_step(model: Any, router: SemanticRouter, tokenizer: Any, cfg: TrainCon
     opt.step()
     with torch.no_grad():
         answer_ok = float((student.argmax(-1) == teacher.argmax(-1)).float().mean())
-    return {"loss": float(total.detach()), "distill": float(distill), **{k: float(v) / n_layers for k, v in losses.items()},
+    return {"loss": float(total.detach()), "distill": float(distill.detach()), **{k: float(v.detach()) / n_layers for k, v in losses.items()},
             "agree": answer_ok, "length": float(length)}
 
 
