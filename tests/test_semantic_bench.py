@@ -9,7 +9,14 @@ from kvstate.errors import KVStateError
 from kvstate.models import tiny_model
 from kvstate.semantic.baselines_kvpress import run_presses, snake
 from kvstate.semantic.bench import run_method, summarise
-from kvstate.semantic.protocol import MULTI_Q, build_items, items_to_rows, read_jsonl, rows_to_items, write_jsonl
+from kvstate.semantic.protocol import (
+    MULTI_Q,
+    build_items,
+    items_to_rows,
+    read_jsonl,
+    rows_to_items,
+    write_jsonl,
+)
 from kvstate.semantic.segment import SegmentConfig
 from kvstate.workloads import build_tokenizer
 
