@@ -2,6 +2,7 @@
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +58,7 @@ def test_runner_with_keep_all_press_equals_full_cache(tmp_path, model_dir, monke
     (tmp_path / "fake" / "kvpress" / "__init__.py").write_text(FAKE_KVPRESS)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     items = build_items(tok, "niah_single", 96, 1, 0) + build_items(tok, MULTI_Q, 128, 1, 0)
-    got, errors = run_presses(sys.executable_path if hasattr(sys, "executable_path") else sys.executable, d, items,
+    got, errors = run_presses(Path(sys.executable), d, items,
                               ["KeepAllPress", "MissingPress"], [0.5], tmp_path / "work")
     ref = run_method("full", model, tok, items, 1.0, None, SegmentConfig())
     assert [o.prediction for o in got] == [o.prediction for o in ref]
