@@ -83,8 +83,8 @@ def eval_command(
     budget: Annotated[str, typer.Option(help="Fast-tier budgets (fraction of full KV), comma-separated.")] = "0.25",
     task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks and niah_4q).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
-    methods: Annotated[str, typer.Option(help="full, sekv, sentencekv, kvpress (its default presses) or press "
-                                              "class names, comma-separated.")] = "full,sekv,sentencekv,kvpress",
+    methods: Annotated[str, typer.Option(help="full, sekv, sentencekv, quest, kvpress (its default presses) or press "
+                                              "class names, comma-separated.")] = "full,sekv,sentencekv,quest,kvpress",
     n: Annotated[int, typer.Option(help="Items per task and length.")] = 4,
     seed: Annotated[int, typer.Option()] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,

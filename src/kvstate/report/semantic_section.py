@@ -25,7 +25,7 @@ from kvstate.report.html import Figure, HeadlineRow, Section, Table
 TECH = "resolution (SEKV)"
 STRONG = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_4q")
 WEAK = ("vt", "fwe", "cwe", "qa")
-IN_PROJECT = ("full", "sekv", "sentencekv")
+IN_PROJECT = ("full", "sekv", "sentencekv", "quest")
 MAIN_BUDGET = 0.25
 DEPTH_BINS = 5
 
@@ -165,7 +165,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "compressed context). Budget = fast-tier bytes / full KV bytes of the context, the same for every method; "
              "kvpress presses ran in an isolated environment "
              f"({json.dumps(main.get('kvpress', {}).get('versions', {}))}) on the same model directory and task files. "
-             "sentencekv is an in-project SentenceKV-like static grouping (sentence summaries, never expanded). "
+             "sentencekv is an in-project SentenceKV-like static grouping (sentence summaries, never expanded); quest an in-project Quest-like page selection (page min/max keys). "
              f"Weak tasks of the reference model ({', '.join(WEAK)}) are shown but not averaged. "
              f"Produced by: {main.get('command', 'kvstate semantic eval')}.")
     tables = [Table("Accuracy at 25% fast-tier budget (full: no compression); avg over the needle tasks",

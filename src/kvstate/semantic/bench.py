@@ -10,7 +10,8 @@ fast-tier bytes relative to the full KV of the context, the same for every metho
 - ``sekv``: :class:`SemanticCache` with the router (trained one if given);
 - ``sentencekv``: a SentenceKV-like static semantic grouping, labelled as such — spans are sentences
   (cut at ``.``), kept as summaries only and never expanded, anchors fill the budget by sentence
-  starts then recency; it runs through the same cache with ``zoom="none"``.
+  starts then recency; it runs through the same cache with ``zoom="none"``;
+- ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.semantic.quest`), labelled as such.
 
 kvpress presses run in their own environment (:mod:`kvstate.semantic.baselines_kvpress`).
 """
@@ -34,7 +35,7 @@ from kvstate.semantic.protocol import Item
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import SegmentConfig
 
-IN_PROCESS = ("full", "sekv", "sentencekv")
+IN_PROCESS = ("full", "sekv", "sentencekv", "quest")
 
 
 @dataclass(frozen=True)
@@ -107,9 +108,11 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
             fast = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
             slow = 0
         else:
+            from kvstate.semantic.quest import QuestCache
+
             zoom = "learned" if method == "sekv" else "none"
-            cache = SemanticCache(model, router, SemanticConfig(budget=budget, segment=segment, zoom=zoom,
-                                                                slow_tier=method == "sekv"))
+            config = SemanticConfig(budget=budget, segment=segment, zoom=zoom, slow_tier=method == "sekv")
+            cache = QuestCache(model, router, config) if method == "quest" else SemanticCache(model, router, config)
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache, use_cache=True).logits
             score = surprisal(logits, ctx) if method == "sekv" else torch.as_tensor(sentence_score(tokenizer, it.context))
             cache.compress(score)
@@ -124,7 +127,7 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
             else:
                 with semantic_attention(model):
                     pred, dt, steps = _decode(model, work, q, tc, mx, eos, tokenizer)
-                expanded = work.expanded_fraction() if method == "sekv" else 0.0
+                expanded = work.expanded_fraction() if method in ("sekv", "quest") else 0.0
             outcomes.append(Outcome(method, budget, it.task, it.length, it.index, qi, it.depth,
                                     score_prediction(it, qi, pred), pred, fast, slow, dt, steps, expanded))
         if progress is not None:
