@@ -79,7 +79,7 @@ class QuestCache(SemanticCache):
 
     page = 16
 
-    def compress(self, surprisal_values: Any = None) -> Any:  # noqa: ARG002 - Quest ignores surprisal
+    def compress(self, surprisal_values: Any = None) -> Any:  # Quest ignores surprisal
         layers = self.semantic_layers
         k0 = layers[0].keys
         t = k0.shape[2]
