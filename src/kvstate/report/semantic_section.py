@@ -86,7 +86,14 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                        intro=f"No results at {src / 'eval.json'}; run `kvstate semantic eval --model models/ref-attn "
                              "--json --save models/ref-attn-sekv/eval.json`.",
                        headline=[HeadlineRow(TECH, "SEKV benchmark", "not run", None)])
-    rows = main["results"] + (sweep["results"] if sweep else [])
+    allrows = main["results"]
+    # tables and averages at the one length every task ran at (the heatmap uses every length)
+    per_len: dict[int, set[str]] = {}
+    for r in allrows:
+        per_len.setdefault(r["length"], set()).add(r["task"])
+    length = max(per_len, key=lambda L: (len(per_len[L]), L))
+    main = {**main, "results": [r for r in allrows if r["length"] == length]}
+    rows = main["results"] + [r for r in (sweep["results"] if sweep else []) if r["length"] == length]
     methods = _methods(main["results"])
     # average over the needle tasks the full cache answers well in this run (>= 0.8), as the protocol asks
     good = tuple(t for t in STRONG if (v := _avg(main["results"], "full", None, (t,))) is not None and v >= 0.8)
@@ -172,13 +179,14 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              f"Averages are over the needle tasks the full cache answers well in this run (>= 0.8): {', '.join(avg_tasks)}; "
              f"the others and the weak tasks of the reference model ({', '.join(WEAK)}) are shown but not averaged. "
              f"Produced by: {main.get('command', 'kvstate semantic eval')}.")
-    tables = [Table("Accuracy at 25% fast-tier budget (full: no compression); avg over the tasks named above",
+    tables = [Table(f"Accuracy at 25% fast-tier budget, {length} tokens (full: no compression); avg over the tasks named above",
                     ["method", *[t + (" (weak)" if t in WEAK else "") for t in tasks], "avg"], acc_rows),
-              Table("Bytes per tier, expansion and decode latency at 25%",
+              Table(f"Bytes per tier, expansion and decode latency at 25%, {length} tokens",
                     ["method", "fast bytes", "fast / full", "slow bytes", "slow / full", "expanded fraction",
                      "ms / token", "latency / full"], byte_rows)]
     if len(budgets) > 1:
-        tables.append(Table("Average accuracy per budget (tasks named above)", ["budget", *[m for m in methods if m != "full"]],
+        tables.append(Table(f"Average accuracy per budget, {length} tokens (tasks named above; other budgets from "
+                            "eval_sweep.json, n = 4 items per task there)", ["budget", *[m for m in methods if m != "full"]],
                             sweep_rows))
     not_run = main.get("kvpress", {}).get("not_run", {})
     if not_run:
