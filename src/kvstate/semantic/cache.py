@@ -41,6 +41,7 @@ class SemanticConfig:
     zoom: Zoom = "learned"  # "all" / "none": expand every / no span (oracle and ablation)
     rank: int | None = None  # fixed slow-tier rank (>= head_dim: exact); None = the rank-gate predictor
     slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
+    sticky: bool = True  # keep a span expanded for the rest of the request once zoomed into
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, (int, float)) or not 0.0 < self.budget <= 1.0:
@@ -82,7 +83,8 @@ class SemanticLayer(DynamicLayer):
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         assert self.store is not None
-        return self.store.attend(query, scaling, self.owner.router, self.layer_idx, self.owner.config.zoom)
+        c = self.owner.config
+        return self.store.attend(query, scaling, self.owner.router, self.layer_idx, c.zoom, c.sticky)
 
     def compress(self, seg: Segmentation, weights: list[np.ndarray]) -> None:
         c = self.owner.config

@@ -44,6 +44,7 @@ class SpanStore:
     expanded: list[float] = field(default_factory=list)  # per attend call: expanded fraction of span tokens
     # working set: spans expanded at the last call, reconstructed; kept only while they stay expanded
     _working: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    sticky: torch.Tensor | None = None  # (H, S) spans expanded so far in this request (kept expanded if sticky)
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
@@ -130,7 +131,7 @@ class SpanStore:
         return rk, rv, owner
 
     def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
-               zoom: Zoom) -> torch.Tensor:
+               zoom: Zoom, sticky: bool = False) -> torch.Tensor:
         """Mixed-resolution attention of the fed tokens' queries (1, Hq, Tq, D) → (1, Hq, Tq, D).
 
         The last Tq anchor entries are the fed tokens themselves (causal among each other). Query heads
@@ -148,6 +149,10 @@ class SpanStore:
         vals = [va]
         with torch.no_grad():
             expand = self.decide(q.detach(), router, layer, zoom)  # (H, S)
+            if sticky and zoom == "learned":  # a span zoomed into stays expanded for the rest of the request
+                if self.sticky is not None:
+                    expand[:, : self.sticky.shape[1]] |= self.sticky
+                self.sticky = expand.clone()
         if self.n_spans:
             ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
             soft = None
