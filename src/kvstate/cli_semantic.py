@@ -68,6 +68,8 @@ def merge_results(old: dict, new: dict) -> dict:
     merged = dict(new)
     merged["results"] = [r for r in old["results"] if key(r) not in replaced] + new["results"]
     merged["cells"] = [c for c in old.get("cells", []) if key(c) not in replaced] + new.get("cells", [])
+    if not new.get("kvpress", {}).get("presses"):  # this run had no presses: keep the earlier run's kvpress info
+        merged["kvpress"] = old.get("kvpress", new.get("kvpress"))
     merged["command"] = "; ".join(x for x in (old.get("command", ""), new.get("command", "")) if x)
     return merged
 
