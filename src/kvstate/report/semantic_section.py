@@ -45,7 +45,7 @@ def _methods(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["method"] not in seen:
             seen.append(r["method"])
-    return seen
+    return sorted(seen, key=lambda m: (IN_PROJECT.index(m) if m in IN_PROJECT else len(IN_PROJECT), seen.index(m)))
 
 
 def _heatmap(cells: list[dict[str, Any]], methods: list[str], out_dir: Path) -> tuple[Figure | None, dict[str, float]]:
@@ -120,8 +120,10 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         fast, slow = np.mean([r["fast_bytes"] for r in rs]), np.mean([r["slow_bytes"] for r in rs])
         ms = float(np.mean([r["decode_ms_per_token"] for r in rs]))
         exp = [r["expanded_fraction"] for r in rs if r.get("expanded_fraction") is not None]
+        same_run = m in ("full", "sekv")  # measured in the same process as full; others in earlier runs
         byte_rows.append([m, int(fast), round(float(fast / full_bytes), 3), int(slow), round(float(slow / full_bytes), 3),
-                          round(float(np.mean(exp)), 3) if exp else "–", round(ms, 2), round(ms / full_ms, 2)])
+                          round(float(np.mean(exp)), 3) if exp else "–", round(ms, 2),
+                          round(ms / full_ms, 2) if same_run else "–"])
     fig, niah_correct = _heatmap(main.get("cells", []), methods, out_dir)
     # headline
     sekv, full = _avg(main["results"], "sekv", MAIN_BUDGET, avg_tasks), _avg(main["results"], "full", None, avg_tasks)
@@ -183,7 +185,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                     ["method", *[t + (" (weak)" if t in WEAK else "") for t in tasks], "avg"], acc_rows),
               Table(f"Bytes per tier, expansion and decode latency at 25%, {length} tokens",
                     ["method", "fast bytes", "fast / full", "slow bytes", "slow / full", "expanded fraction",
-                     "ms / token", "latency / full"], byte_rows)]
+                     "ms / token (its own run; kvpress: transformers 5.2 process)", "latency / full (same run)"],
+                    byte_rows)]
     if len(budgets) > 1:
         tables.append(Table(f"Average accuracy per budget, {length} tokens (tasks named above; other budgets from "
                             "eval_sweep.json, n = 4 items per task there)", ["budget", *[m for m in methods if m != "full"]],
