@@ -105,7 +105,7 @@ def test_sparse_prefix_cache_budget(budget):
 
 def test_lookup_refuses_a_batch():
     cache = SparsePrefixCache(get_model("qwen3_5"), 10**8)
-    with pytest.raises(KVStateError, match="one sequence"):
+    with pytest.raises(KVStateError, match="one non-empty sequence"):
         cache.lookup(torch.zeros(2, 8, dtype=torch.long))
     assert cache.lookup(torch.zeros(1, 8, dtype=torch.long)) is None
 

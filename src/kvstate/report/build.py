@@ -24,7 +24,7 @@ from typing import Any
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kvstate.errors import KVStateError
-from kvstate.report import eval_section, model_state, prefix_section
+from kvstate.report import eval_section, model_state, prefix_section, semantic_section
 from kvstate.report.html import GENERATOR, Section, write_report
 
 SectionBuilder = Callable[[Path, Path], Section]
@@ -34,6 +34,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("prefix caching", prefix_section.build),
     ("prefix replay", __import__("kvstate.report.replay_section", fromlist=["build"]).build),
     ("reference models", eval_section.build),
+    ("resolution", semantic_section.build),
 ]
 
 

@@ -1,1 +1,38 @@
-"""kvstate.semantic"""
+"""kvstate.semantic — SEKV, the resolution-adaptive semantic KV cache.
+
+From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory" (``docs/techniques.md#resolution``):
+entropy-guided spans (:mod:`~kvstate.semantic.segment`, pure), a low-rank slow tier
+(:mod:`~kvstate.semantic.lowrank`), learned routing / zoom-in (:mod:`~kvstate.semantic.router`), the
+two-tier span store with mixed-resolution attention (:mod:`~kvstate.semantic.store`,
+:mod:`~kvstate.semantic.attention`) and the ``Cache`` subclass (:mod:`~kvstate.semantic.cache`).
+"""
+
+from kvstate.semantic.attention import SEKV, register, semantic_attention
+from kvstate.semantic.cache import (
+    SemanticCache,
+    SemanticConfig,
+    SemanticLayer,
+    prefill_and_compress,
+    surprisal,
+)
+from kvstate.semantic.router import RouterConfig, RouterMismatchError, SemanticRouter, model_fingerprint
+from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, segment
+
+__all__ = [
+    "SEKV",
+    "RouterConfig",
+    "RouterMismatchError",
+    "SegmentConfig",
+    "Segmentation",
+    "SemanticCache",
+    "SemanticConfig",
+    "SemanticLayer",
+    "SemanticRouter",
+    "fit_budget",
+    "model_fingerprint",
+    "prefill_and_compress",
+    "register",
+    "segment",
+    "semantic_attention",
+    "surprisal",
+]

@@ -1,0 +1,188 @@
+"""``SemanticCache``: the SEKV cache as a transformers ``Cache`` subclass.
+
+From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory". Prefill runs at
+full resolution (each attention layer is a ``DynamicLayer``); :meth:`SemanticCache.compress` then cuts
+the context into anchors and spans by its surprisal (:func:`surprisal`, from the prefill logits) so that
+the fast tier fits ``budget`` × the full KV bytes, and builds every layer's :class:`SpanStore`. Tokens fed
+afterwards (the question, decoded tokens) are kept at full resolution and compressed into spans as they
+leave the recent window. Attention over a compressed layer needs the ``"sekv"`` attention function::
+
+    cache = SemanticCache(model, router, SemanticConfig(budget=0.25))
+    prefill_and_compress(model, cache, context_ids)
+    with semantic_attention(model):
+        model.generate(full_ids, cache=cache, max_new_tokens=16)
+
+Works on every family whose attention layers are plain ``DynamicLayer`` (Llama, Qwen3, and the attention
+layers of hybrids such as Qwen3.5; recurrent layers keep their own state). Batch size 1 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvstate.errors import BudgetError, KVStateError, UnsupportedModelError
+from kvstate.models.families import family_of
+from kvstate.semantic.attention import SEKV
+from kvstate.semantic.router import RouterConfig, SemanticRouter
+from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, span_weights
+from kvstate.semantic.store import SpanStore, Zoom
+
+
+@dataclass(frozen=True)
+class SemanticConfig:
+    budget: float = 0.25  # fast-tier bytes / full-KV bytes of the context
+    segment: SegmentConfig = field(default_factory=SegmentConfig)
+    zoom: Zoom = "learned"  # "all" / "none": expand every / no span (oracle and ablation)
+    rank: int | None = None  # fixed slow-tier rank (>= head_dim: exact); None = the rank-gate predictor
+    slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
+    sticky: bool = True  # keep a span expanded for the rest of the request once zoomed into
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, (int, float)) or not 0.0 < self.budget <= 1.0:
+            raise KVStateError(f"SemanticConfig.budget={self.budget!r} must be in (0, 1] (fast-tier bytes / full KV bytes)")
+        if self.zoom not in ("learned", "all", "none", "soft"):
+            raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be 'learned', 'all', 'none' or 'soft' (training)")
+        if not self.slow_tier and self.zoom != "none":
+            raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
+            raise KVStateError(f"SemanticConfig.rank={self.rank!r} must be an int >= 1 or None (predicted)")
+
+
+class SemanticLayer(DynamicLayer):
+    """A ``DynamicLayer`` until compressed, then a :class:`SpanStore` (fast + slow tier)."""
+
+    def __init__(self, owner: SemanticCache, layer_idx: int) -> None:
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.store: SpanStore | None = None
+        self.seen = 0  # tokens this layer has been fed (its logical length)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        fwd = kwargs.get("kwargs")
+        if isinstance(fwd, dict):  # the attention call's kwargs: hand it this layer
+            fwd["semantic_layer"] = self
+        self.seen += key_states.shape[2]
+        if self.store is None:
+            return super().update(key_states, value_states)
+        if self.owner.model_config._attn_implementation != SEKV:
+            raise KVStateError("this SemanticCache is compressed, but the model's attention is "
+                               f"{self.owner.model_config._attn_implementation!r}; run the model inside "
+                               "`with kvstate.semantic.semantic_attention(model):`")
+        c = self.owner.config
+        self.store.append(key_states, value_states, self.owner.router, self.layer_idx, c.rank,
+                          c.segment.recent, c.segment.max_span, c.slow_tier)
+        return self.store.anchor_k, self.store.anchor_v
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        assert self.store is not None
+        c = self.owner.config
+        return self.store.attend(query, scaling, self.owner.router, self.layer_idx, c.zoom, c.sticky)
+
+    def compress(self, seg: Segmentation, weights: list[np.ndarray]) -> None:
+        c = self.owner.config
+        self.store = SpanStore.build(self.keys, self.values, seg, weights, self.owner.router, self.layer_idx,
+                                     c.rank, c.segment.recent, c.slow_tier)
+        self.keys = self.values = None
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def nbytes(self) -> tuple[int, int]:
+        """(fast-tier bytes, slow-tier bytes) of the tensors this layer holds."""
+        if self.store is None:
+            return (0 if self.keys is None else self.keys.nbytes + self.values.nbytes), 0
+        return self.store.fast_nbytes(), self.store.slow_nbytes()
+
+
+def attention_layers(config: Any) -> list[int]:
+    """Indices of the plain attention layers; raises for a family without standard attention."""
+    family_of(config)
+    probe = DynamicCache(config=config)
+    idx = [i for i, layer in enumerate(probe.layers) if type(layer) is DynamicLayer]
+    if not idx:
+        raise UnsupportedModelError(f"{config.model_type!r} has no standard attention layer (per-token KV); "
+                                    "SEKV compresses attention KV only")
+    return idx
+
+
+class SemanticCache(Cache):
+    def __init__(self, model: Any, router: SemanticRouter | None = None, config: SemanticConfig | None = None) -> None:
+        self.model_config = model.config
+        self.config = config or SemanticConfig()
+        attn = attention_layers(model.config)
+        self.router = router if router is not None else SemanticRouter(RouterConfig.from_model_config(model.config))
+        layers: list[Any] = list(DynamicCache(config=model.config).layers)
+        for i in attn:
+            layers[i] = SemanticLayer(self, i)
+        super().__init__(layers=layers)
+        self.segmentation: Segmentation | None = None
+
+    @property
+    def semantic_layers(self) -> list[SemanticLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SemanticLayer)]
+
+    def compress(self, surprisal_values: np.ndarray | torch.Tensor) -> Segmentation:
+        """Compress every attention layer's prefilled context (one surprisal per context token)."""
+        s = np.asarray(surprisal_values.detach().cpu() if isinstance(surprisal_values, torch.Tensor)
+                       else surprisal_values, dtype=np.float64)
+        layers = self.semantic_layers
+        if any(layer.store is not None for layer in layers):
+            raise KVStateError("SemanticCache.compress: this cache is already compressed; compress once per context")
+        t = layers[0].keys.shape[2] if layers[0].keys is not None else 0
+        if t == 0 or len(s) != t:
+            raise KVStateError(f"SemanticCache.compress: got {len(s)} surprisal values for a prefilled context of "
+                               f"{t} tokens; prefill the context first and pass one value per token")
+        k = layers[0].keys
+        token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
+        r = self.router.config.routing_dim
+        span_bytes = k.shape[1] * (2 * k.shape[3] + r) * k.element_size() + k.element_size()
+        budget = int(self.config.budget * t * token_bytes)
+        try:
+            seg = fit_budget(s, self.config.segment, budget, token_bytes, span_bytes)
+        except ValueError as exc:
+            raise BudgetError(f"budget {self.config.budget} of full KV: {exc}") from exc
+        weights = span_weights(s, seg)
+        for layer in layers:
+            layer.compress(seg, weights)
+        self.segmentation = seg
+        return seg
+
+    def nbytes(self) -> dict[str, int]:
+        """Fast- and slow-tier bytes over all attention layers, plus the full-KV bytes of what was seen."""
+        fast = slow = full = 0
+        for layer in self.semantic_layers:
+            f, s = layer.nbytes()
+            fast, slow = fast + f, slow + s
+            src = layer.store.anchor_k if layer.store is not None else layer.keys
+            if src is not None:
+                full += 2 * src.shape[1] * src.shape[3] * src.element_size() * layer.seen
+        return {"fast": fast, "slow": slow, "full": full}
+
+    def expanded_fraction(self) -> float:
+        """Mean expanded fraction of span tokens over every attend call so far."""
+        vals = [v for layer in self.semantic_layers if layer.store is not None for v in layer.store.expanded]
+        return float(np.mean(vals)) if vals else 0.0
+
+
+def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``-log p(x_t | x_<t)`` per position from prefill logits (1, T, V) and ids (1, T); 0 for t = 0."""
+    logp = torch.log_softmax(logits[0, :-1].float(), -1)  # (T-1, V)
+    nll = -logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.cat([nll.new_zeros(1), nll])
+
+
+@torch.no_grad()  # not inference_mode: recurrent layers update their state in place later
+def prefill_and_compress(model: Any, cache: SemanticCache, ids: torch.Tensor) -> torch.Tensor:
+    """Prefill ``ids`` (1, T) at full resolution into ``cache``, compress it, return the logits (1, T, V)."""
+    t = ids.shape[1]
+    out = model(input_ids=ids, position_ids=torch.arange(t)[None], cache=cache, use_cache=True)
+    cache.compress(surprisal(out.logits, ids))
+    return out.logits

@@ -1,0 +1,107 @@
+"""A Quest-like query-aware page selection baseline (in-project; kvpress has no such press).
+
+After "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference": the context between the
+sink tokens and the recent window is cut into pages of ``page`` tokens; the fast tier keeps the sinks,
+the recent window and, per page and KV head, the element-wise minimum and maximum key. At each forward
+call a page's attention upper bound ``sum_d max(q_d min_d, q_d max_d)`` (maximised over the KV head's
+query heads and the fed tokens) ranks the pages, and the top ``k`` are read from the slow tier (the
+raw page K/V on CPU) and attended at full resolution. ``k`` spends what the fast-tier budget leaves
+after sinks, window and page metadata, so every method gets the same fast-tier bytes. Ignored: Quest's
+GPU kernels and per-layer budgets (the first layers are not kept dense here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstate.errors import BudgetError
+from kvstate.semantic.cache import SemanticCache
+
+
+@dataclass
+class PageStore:
+    anchor_k: torch.Tensor  # (1, H, A, D) sinks + recent window + tokens fed since compression
+    anchor_v: torch.Tensor
+    page_min: torch.Tensor  # (H, P, D) element-wise min key per page
+    page_max: torch.Tensor  # (H, P, D)
+    slow_k: torch.Tensor  # (H, M, D) raw keys of the paged middle, on CPU
+    slow_v: torch.Tensor
+    page: int  # tokens per page
+    top_k: int  # pages read per call
+    expanded: list[float] = field(default_factory=list)
+
+    def fast_nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.page_min, self.page_max))
+
+    def slow_nbytes(self) -> int:
+        return self.slow_k.nbytes + self.slow_v.nbytes
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, *_: Any) -> None:
+        self.anchor_k = torch.cat([self.anchor_k, keys], 2)
+        self.anchor_v = torch.cat([self.anchor_v, values], 2)
+
+    def attend(self, query: torch.Tensor, scaling: float, *_: Any) -> torch.Tensor:
+        q = query[0]  # (Hq, Tq, D)
+        hq, tq, d = q.shape
+        h = self.anchor_k.shape[1]
+        g = hq // h
+        qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D)
+        a = self.anchor_k.shape[2]
+        causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
+        logits = [(qg @ self.anchor_k[0].transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]
+        vals = [self.anchor_v[0]]
+        n_pages = self.page_min.shape[1]
+        k = min(self.top_k, n_pages)
+        if k > 0:
+            bound = torch.maximum(qg[:, :, None, :] * self.page_min[:, None], qg[:, :, None, :] * self.page_max[:, None])
+            score = bound.sum(-1).amax(1)  # (H, P)
+            pick = torch.zeros(h, n_pages, dtype=torch.bool)
+            pick.scatter_(1, score.topk(k, dim=1).indices, True)
+            chosen = torch.nonzero(pick.any(0)).flatten()
+            m = self.slow_k.shape[1]
+            tok = torch.cat([torch.arange(int(p) * self.page, min((int(p) + 1) * self.page, m)) for p in chosen])
+            owner = tok // self.page
+            rk, rv = self.slow_k[:, tok].to(q.dtype), self.slow_v[:, tok].to(q.dtype)  # (H, n_sel, D)
+            le = qg @ rk.transpose(-1, -2) * scaling  # (H, g*Tq, n_sel)
+            logits.append(le.masked_fill(~pick[:, owner][:, None, :], float("-inf")))
+            vals.append(rv)
+            self.expanded.append(float(pick.float().mean()))
+        p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)
+        return (p @ torch.cat(vals, 1)).reshape(1, hq, tq, d)
+
+
+class QuestCache(SemanticCache):
+    """A :class:`SemanticCache` whose layers hold :class:`PageStore` (same protocol, same budget)."""
+
+    page = 16
+
+    def compress(self, surprisal_values: Any = None) -> Any:  # Quest ignores surprisal
+        layers = self.semantic_layers
+        k0 = layers[0].keys
+        t = k0.shape[2]
+        seg = self.config.segment
+        lo, hi = min(seg.sinks, t), max(min(seg.sinks, t), t - seg.recent)
+        h, d, e = k0.shape[1], k0.shape[3], k0.element_size()
+        token_bytes = 2 * h * d * e
+        n_pages = -(-(hi - lo) // self.page)
+        fast = (lo + t - hi) * token_bytes + 2 * n_pages * h * d * e
+        budget = int(self.config.budget * t * token_bytes)
+        if fast > budget:
+            raise BudgetError(f"budget {self.config.budget} of full KV ({budget} bytes) cannot hold the sinks, recent "
+                              f"window and page metadata of a {t}-token context: the minimum is {fast} bytes")
+        top_k = (budget - fast) // (self.page * token_bytes)
+        keep = torch.as_tensor(np.r_[0:lo, hi:t], dtype=torch.long)
+        for layer in layers:
+            k, v = layer.keys, layer.values
+            mid = k[0, :, lo:hi]  # (H, M, D)
+            pad = n_pages * self.page - mid.shape[1]
+            padded = torch.cat([mid, mid[:, -1:].expand(-1, pad, -1)], 1) if pad else mid
+            pages = padded.reshape(h, n_pages, self.page, d)
+            layer.store = PageStore(k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), pages.amin(2), pages.amax(2),
+                                    mid.cpu().contiguous(), v[0, :, lo:hi].cpu().contiguous(), self.page, int(top_k))
+            layer.keys = layer.values = None
+        return None

@@ -1,0 +1,96 @@
+"""The compress-then-ask benchmark: task-file round trip through the kvpress runner, baselines, CLI errors."""
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvstate.errors import KVStateError
+from kvstate.models import tiny_model
+from kvstate.semantic.baselines_kvpress import run_presses, snake
+from kvstate.semantic.bench import run_method, summarise
+from kvstate.semantic.protocol import (
+    MULTI_Q,
+    build_items,
+    items_to_rows,
+    read_jsonl,
+    rows_to_items,
+    write_jsonl,
+)
+from kvstate.semantic.segment import SegmentConfig
+from kvstate.workloads import build_tokenizer
+
+FAKE_KVPRESS = textwrap.dedent('''
+    """A stand-in for kvpress: a press that keeps everything (so the runner must equal the full cache)."""
+    import contextlib
+
+    class KeepAllPress:
+        def __init__(self, compression_ratio=0.0):
+            self.compression_ratio = compression_ratio
+
+        def __call__(self, model):
+            return contextlib.nullcontext()
+''')
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = build_tokenizer()
+    model = tiny_model("qwen3", vocab_size=len(tok))
+    d = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, model, tok
+
+
+def test_task_file_round_trip(tmp_path, model_dir):
+    _, _, tok = model_dir
+    items = build_items(tok, "niah_single", 128, 2, 0) + build_items(tok, MULTI_Q, 160, 1, 0)
+    assert len(items[-1].questions) == 4 and items[-1].answers[0] != items[-1].answers[1]
+    write_jsonl(tmp_path / "t.jsonl", items_to_rows(items))
+    assert rows_to_items(read_jsonl(tmp_path / "t.jsonl")) == items
+
+
+def test_runner_with_keep_all_press_equals_full_cache(tmp_path, model_dir, monkeypatch):
+    d, model, tok = model_dir
+    (tmp_path / "fake" / "kvpress").mkdir(parents=True)
+    (tmp_path / "fake" / "kvpress" / "__init__.py").write_text(FAKE_KVPRESS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    items = build_items(tok, "niah_single", 96, 1, 0) + build_items(tok, MULTI_Q, 128, 1, 0)
+    got, errors = run_presses(Path(sys.executable), d, items,
+                              ["KeepAllPress", "MissingPress"], [0.5], tmp_path / "work")
+    ref = run_method("full", model, tok, items, 1.0, None, SegmentConfig())
+    assert [o.prediction for o in got] == [o.prediction for o in ref]
+    assert [o.fast_bytes for o in got] == [o.fast_bytes for o in ref]
+    assert {o.method for o in got} == {"keep_all_press"} and {o.budget for o in got} == {0.5}
+    assert errors and "MissingPress" in errors[0]["error"]
+
+
+def test_in_process_methods_and_summary(model_dir):
+    _, model, tok = model_dir
+    items = build_items(tok, "niah_single", 160, 1, 0)
+    seg = SegmentConfig(sinks=2, recent=8, max_span=8)
+    rows = summarise(run_method("sekv", model, tok, items, 0.4, None, seg)
+                     + run_method("sentencekv", model, tok, items, 0.4, None, seg))
+    by = {r["method"]: r for r in rows}
+    assert by["sekv"]["n"] == 1 and by["sekv"]["slow_bytes"] > 0 and by["sentencekv"]["slow_bytes"] == 0
+    assert by["sekv"]["fast_bytes"] <= 0.4 * 4 * 2 * 2 * 16 * len(items[0].context) * 2
+    with pytest.raises(ValueError, match="unknown in-process method"):
+        run_method("h2o", model, tok, items, 0.4, None, seg)
+
+
+def test_snake_names():
+    assert [snake(n) for n in ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress")] == [
+        "snap_kv_press", "streaming_llm_press", "tova_press", "expected_attention_press"]
+
+
+def test_cli_rejects_bad_inputs(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--task", "nope"])
+    assert r.exit_code != 0 and isinstance(r.exception, KVStateError) and "unknown task" in str(r.exception)
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--budget", "1.5"])
+    assert isinstance(r.exception, KVStateError) and "--budget" in str(r.exception)

@@ -1,0 +1,178 @@
+"""SEKV cache against oracles: full attention, a dense summary layout, measured tensor bytes."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvstate.errors import BudgetError, KVStateError, UnsupportedModelError
+from kvstate.models import tiny_model
+from kvstate.semantic import (
+    RouterConfig,
+    RouterMismatchError,
+    SegmentConfig,
+    SemanticCache,
+    SemanticConfig,
+    SemanticRouter,
+    model_fingerprint,
+    prefill_and_compress,
+    semantic_attention,
+)
+from kvstate.semantic.lowrank import RankGate, encode
+from kvstate.semantic.segment import fast_bytes
+
+T, Q = 160, 6
+SEG = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
+
+
+def _ids(seed, n, vocab=128):
+    return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def _full_logits(model, ids, q):
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, position_ids=torch.arange(ids.shape[1])[None])
+    return model(input_ids=q, cache=cache, position_ids=torch.arange(T, T + q.shape[1])[None]).logits, cache
+
+
+@torch.no_grad()
+def _semantic_logits(model, cache, ids, q):
+    prefill_and_compress(model, cache, ids)
+    with semantic_attention(model):
+        return model(input_ids=q, cache=cache, position_ids=torch.arange(T, T + q.shape[1])[None]).logits
+
+
+def test_reconstruction_error_falls_with_rank_and_is_exact_at_full_rank():
+    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(0))
+    x = x + 3 * torch.randn(2, 24, 1) @ torch.randn(2, 1, 16)  # a dominant direction, as keys have
+    errs = [float((encode(x, r, None, False).reconstruct() - x).norm() / x.norm()) for r in range(1, 17)]
+    assert all(a > b for a, b in itertools.pairwise(errs))
+    assert errs[-1] < 1e-6 and errs[0] > 0.05
+    gated = encode(x, None, RankGate(), False)  # untrained gates keep the first ~93% of the energy
+    assert 1 <= gated.rank < 16
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_5"])
+def test_every_span_expanded_at_full_rank_equals_full_attention(family):
+    model = tiny_model(family)
+    ids, q = _ids(1, T), _ids(2, Q)
+    ref, _ = _full_logits(model, ids, q)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="all", rank=64, segment=SEG))
+    out = _semantic_logits(model, cache, ids, q)
+    assert len(cache.segmentation.spans) >= 5
+    assert (out - ref).abs().max() < 1e-5
+    lossy = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="none", segment=SEG))
+    assert (_semantic_logits(model, lossy, ids, q) - ref).abs().max() > 1e-3  # the oracle can fail
+
+
+def test_unexpanded_spans_equal_dense_summary_layout():
+    """Summary + log|S| equals attention over a cache where every span token holds the span's mean."""
+    model = tiny_model("qwen3")
+    ids, q = _ids(3, T), _ids(4, Q)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="none", segment=SEG))
+    out = _semantic_logits(model, cache, ids, q)
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=full, position_ids=torch.arange(T)[None])
+    dense = DynamicCache(config=model.config)
+    for i, layer in enumerate(full.layers):
+        k, v = layer.keys.clone(), layer.values.clone()
+        for a, b in cache.segmentation.spans:
+            k[:, :, a:b] = k[:, :, a:b].mean(2, keepdim=True)
+            v[:, :, a:b] = v[:, :, a:b].mean(2, keepdim=True)
+        dense.update(k, v, i)
+    with torch.no_grad():
+        ref = model(input_ids=q, cache=dense, position_ids=torch.arange(T, T + Q)[None]).logits
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_decode_rolls_tokens_into_spans_and_stays_exact():
+    model = tiny_model("qwen3")
+    ids = _ids(5, T)
+    seg = SegmentConfig(sinks=2, recent=4, min_span=2, max_span=4)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.7, zoom="all", rank=64, segment=seg))
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=full, position_ids=torch.arange(T)[None])
+    prefill_and_compress(model, cache, ids)
+    spans0 = cache.semantic_layers[0].store.n_spans
+    with semantic_attention(model), torch.no_grad():
+        for t, tok in enumerate(_ids(6, 12)[0]):
+            pos = torch.tensor([[T + t]])
+            a = model(input_ids=tok.view(1, 1), cache=full, position_ids=pos).logits
+            b = model(input_ids=tok.view(1, 1), cache=cache, position_ids=pos).logits
+            assert (a - b).abs().max() < 1e-5
+    assert cache.semantic_layers[0].store.n_spans > spans0
+    assert cache.get_seq_length() == T + 12
+
+
+def test_budget_accounting_equals_tensor_bytes():
+    model = tiny_model("qwen3")
+    ids = _ids(7, T)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.25, segment=SEG))
+    prefill_and_compress(model, cache, ids)
+    layers = cache.semantic_layers
+    k0 = layers[0].store.anchor_k
+    h, d, e = k0.shape[1], k0.shape[3], k0.element_size()
+    token_bytes, span_bytes = 2 * h * d * e, h * (2 * d + cache.router.config.routing_dim) * e + e
+    predicted = len(layers) * fast_bytes(cache.segmentation, token_bytes, span_bytes)
+    measured_fast = sum(t.nbytes for layer in layers for t in (layer.store.anchor_k, layer.store.anchor_v,
+                        layer.store.sum_k, layer.store.sum_v, layer.store.route, layer.store.log_n))
+    measured_slow = sum(x.nbytes for layer in layers for pair in layer.store.slow for lr in pair for x in (lr.a, lr.b))
+    got = cache.nbytes()
+    assert got["fast"] == predicted == measured_fast
+    assert got["slow"] == measured_slow > 0
+    assert got["fast"] <= 0.25 * got["full"]
+    assert got["full"] == len(layers) * T * token_bytes
+
+
+def test_generate_runs_with_semantic_cache():
+    model = tiny_model("qwen3")
+    ids, q = _ids(8, T), _ids(9, Q)
+    full_ids = torch.cat([ids, q], 1)
+    ref = model.generate(full_ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, cache=DynamicCache(config=model.config))
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="all", rank=64, segment=SEG))
+    prefill_and_compress(model, cache, ids)
+    with semantic_attention(model):
+        out = model.generate(full_ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, cache=cache)
+    assert out.sequences.shape == (1, T + Q + 5)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref.logits, out.logits, strict=True)) < 1e-4
+    assert model.config._attn_implementation != "sekv"  # the context manager switched back
+
+
+def test_router_save_load_round_trip_and_fingerprint(tmp_path):
+    model = tiny_model("qwen3")
+    router = SemanticRouter(RouterConfig.from_model_config(model.config), seed=3)
+    with torch.no_grad():
+        router.theta.add_(0.7)
+    router.save(tmp_path / "r", model_fingerprint(model))
+    back = SemanticRouter.load(tmp_path / "r", model)
+    for (n1, p1), (n2, p2) in zip(router.state_dict().items(), back.state_dict().items(), strict=True):
+        assert n1 == n2 and torch.equal(p1, p2)
+    other = tiny_model("qwen3", seed=1)
+    with pytest.raises(RouterMismatchError, match="fingerprint"):
+        SemanticRouter.load(tmp_path / "r", other)
+    assert not list((tmp_path / "r").glob(".*"))  # no temp files left
+
+
+def test_bad_inputs():
+    model = tiny_model("qwen3")
+    ids = _ids(10, T)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.02, segment=SEG))
+    with pytest.raises(BudgetError, match=r"minimum is \d+ bytes"):
+        prefill_and_compress(model, cache, ids)
+    with pytest.raises(UnsupportedModelError, match="no standard attention"):
+        SemanticCache(tiny_model("mamba2"))
+    with pytest.raises(KVStateError, match="budget"):
+        SemanticConfig(budget=1.5)
+    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, segment=SEG))
+    with pytest.raises(KVStateError, match="surprisal values"):
+        cache.compress(np.zeros(5))
+    prefill_and_compress(model, cache, ids)
+    with pytest.raises(KVStateError, match="semantic_attention"), torch.no_grad():
+        model(input_ids=_ids(11, 1), cache=cache, position_ids=torch.tensor([[T]]))
