@@ -107,7 +107,8 @@ def test_lookup_refuses_a_batch():
     cache = SparsePrefixCache(get_model("qwen3_5"), 10**8)
     with pytest.raises(KVStateError, match="one non-empty sequence"):
         cache.lookup(torch.zeros(2, 8, dtype=torch.long))
-    assert cache.lookup(torch.zeros(1, 8, dtype=torch.long)) is None
+    hit = cache.lookup(torch.zeros(1, 8, dtype=torch.long))
+    assert hit.overlap == 0 and hit.position == 0 and not hit.full
 
 
 NUMERIC = [f.name for f in fields(TrainConfig) if f.name not in ("arch", "advance_metric", "task_mix", "bf16")]
