@@ -161,6 +161,9 @@ def _register_model_commands() -> None:
 
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
+    from kvstate.cli_depth import app as depth_app
+
+    app.add_typer(depth_app, name="depth")
 
 
 _register_model_commands()
