@@ -146,21 +146,19 @@ def test_hooks_are_removed_on_exceptions(model):
 
 
 def test_bad_patterns_and_p(model):
-    with pytest.raises(PatternError, match="layer 1 reads layer 2"):
-        with apply_sharing(model, parse_pattern("0_2_2_3")):
-            pass
-    with pytest.raises(PatternError, match="5 layers"):
-        with apply_sharing(model, parse_pattern("0_1_2_3_4")):
-            pass
+    with pytest.raises(PatternError, match="layer 1 reads layer 2"), apply_sharing(model, parse_pattern("0_2_2_3")):
+        pass
+    with pytest.raises(PatternError, match="5 layers"), apply_sharing(model, parse_pattern("0_1_2_3_4")):
+        pass
     with pytest.raises(PatternError, match="p="):
         StochasticKVRouting(model, 1.2)
 
 
 def test_unsupported_attention_raises():
     hybrid = tiny_model("qwen3_5", num_hidden_layers=4)
-    with pytest.raises(UnsupportedModelError, match="not supported by kvstate.depth"):
-        with apply_sharing(hybrid, none(layer_specs(hybrid.config))):
-            pass
+    with pytest.raises(UnsupportedModelError, match=r"not supported by kvstate\.depth"), apply_sharing(
+            hybrid, none(layer_specs(hybrid.config))):
+        pass
 
 
 @torch.inference_mode()
