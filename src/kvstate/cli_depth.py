@@ -79,7 +79,7 @@ def eval_command(
     n: Annotated[int, typer.Option("--n", help="Examples per task and length.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out examples.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="End with one JSON line of the results.")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file (e.g. DIR/depth_eval.json).")] = None,
 ) -> None:
     """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -106,3 +106,13 @@ def eval_command(
         tmp.replace(out)
     if as_json:
         print(line)
+
+
+@app.command("card")
+def card_command(
+    model: Annotated[Path, typer.Option("--model", help="A kvstate depth train --out directory.")],
+) -> None:
+    """Write DIR/README.md from its training_state.json and depth_eval.json."""
+    from kvstate.depth.card import write_card
+
+    print(write_card(model))
