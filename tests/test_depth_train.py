@@ -99,3 +99,55 @@ def test_two_process_ddp_loss_falls_and_ranks_stay_in_sync(start, tmp_path):
     curve = next(r["curve"] for r in results if r["rank"] == 0)
     assert curve[-1] < curve[0], curve  # the loss falls
     assert all(r["sync"] == 0.0 for r in results)  # ranks hold identical weights (DDP all-reduced every step)
+
+
+def test_evaluate_sharing_shape_and_measured_bytes(start):
+    from kvstate.depth.evaluate import evaluate_sharing
+
+    res = evaluate_sharing(start, [1, 0.5, 0.25], "keep", n=1, seed=0, tasks=["niah_single"], lengths=[256],
+                           ppl_length=128)
+    assert set(res) == {"model", "results"} and [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
+    for r in res["results"]:
+        assert set(r) == {"keep", "pattern", "ppl", "score", "kv_bytes_per_token", "decode_tok_s"}
+        assert r["kv_bytes_per_token"] == r["keep"] * 4 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head_dim x fp32
+    with pytest.raises(PatternError, match="not a whole number"):
+        evaluate_sharing(start, [0.3], "keep", n=1)
+
+
+def test_cli_eval_rejects_unrealisable_keep_and_card_needs_a_depth_run(start, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    r = CliRunner().invoke(app, ["depth", "eval", "--model", str(start), "--keep", "1,0.3"])
+    assert r.exit_code != 0 and "0.3" in str(r.exception)
+    r = CliRunner().invoke(app, ["depth", "card", "--model", str(start)])
+    assert r.exit_code != 0 and "not a depth run" in str(r.exception)
+
+
+def test_card_and_report_section_read_the_committed_files(start, tmp_path):
+    from kvstate.depth.card import card_text
+    from kvstate.report.depth_section import build
+
+    run = tmp_path / "models" / "ref-attn-rcla"
+    depth_train(start, run, DepthTrainConfig(p=0.5, length=64, tokens=2 * 256), overrides=FAST, progress=False,
+                log=lambda *_: None)
+    rows = lambda ppl, score: [{"keep": k, "pattern": p, "ppl": ppl[i], "score": score[i],  # noqa: E731
+                                "kv_bytes_per_token": 4096 * k, "decode_tok_s": 10.0}
+                               for i, (k, p) in enumerate([(1, "0_1_2_3"), (0.5, "0_0_2_2")])]
+    files = {"ref-attn-rcla": rows([10.0, 10.2], [0.5, 0.49]), "ref-attn-norouting": rows([9.9, 30.0], [0.6, 0.1]),
+             "ref-attn-cla2": rows([20.0, 10.1], [0.1, 0.5]), "ref-attn": rows([9.8, 50.0], [0.6, 0.0])}
+    for name, res in files.items():
+        (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / name / "depth_eval.json").write_text(json.dumps({"model": name, "results": res}))
+    text = card_text(run)
+    assert "p = 0.5" in text and "| 0.5 | `0_0_2_2` | 10.200 |" in text
+    section = build(tmp_path, tmp_path / "models")
+    met = {h.target: h.met for h in section.headline}
+    assert met["R-CLA keep 0.5 within 3% ppl of keep 1.0"] is True
+    assert met["R-CLA keep 1.0 within 2% ppl of the no-routing control"] is True
+    assert met["post-hoc sharing of the base model measurably worse at keep <= 0.5"] is True
+    assert met["R-CLA within 2% ppl of the CLA2 specialist at 0_0_2_2"] is True
+    assert met["the CLA2 specialist degrades at patterns it was not trained for"] is True
+    assert all(met[t] for t in met if t.startswith("KV bytes"))
+    assert (tmp_path / "depth_quality_vs_kv.png").is_file()
