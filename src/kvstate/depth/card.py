@@ -48,7 +48,7 @@ def card_text(model_dir: Path) -> str:
              f"| this run | {steps} steps, {tokens:,} tokens, in {len(depth['parts'])} part(s) |",
              f"| length | {cfg['max_length']} tokens per row ({cfg['shorter_share']:.0%} of steps at a shorter "
              "curriculum length) |",
-             f"| optimiser | AdamW lr {cfg['lr']:g} constant after {cfg['warmup_steps']} warm-up steps, "
+             f"| optimiser | AdamW lr {cfg['lr']:g} constant after {cfg['warmup_steps']} warm-up steps (each part), "
              f"{cfg['tokens_per_step']:,} tokens per step |",
              f"| data | the default training mix of `kvstate.eval.train` (seed {cfg['seed']}, same batches per step "
              "for every depth run) |", ""]

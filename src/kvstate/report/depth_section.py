@@ -124,6 +124,37 @@ def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
                   "0_0_0_0). Measured by kvstate depth eval (committed depth_eval.json).")
 
 
+def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
+    """Loss of each depth run on its training batches (every route drawn counts), against steps since the start."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    drawn = False
+    for name in LABELS:
+        path = models_dir / name / "training_state.json"
+        if name == BASE or not path.is_file():
+            continue
+        state = json.loads(path.read_text())
+        depth = state.get("depth")
+        if not depth:
+            continue
+        curve = [c for c in state["curve"] if c["step"] > depth["start_step"]]
+        ax.plot([c["step"] - depth["start_step"] for c in curve], [c["loss"] for c in curve], marker=".", label=LABELS[name])
+        drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("steps since models/ref-attn")
+    ax.set_ylabel("training loss (rolling)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "depth_learning_curves.png", dpi=100)
+    plt.close(fig)
+    return Figure("Learning curves of the depth runs", "depth_learning_curves.png",
+                  "Answer-weighted loss on the training batches before each update, under each run's own routing "
+                  "(R-CLA: a random pattern per step). models/ref-attn ended its own training near 0.6.")
+
+
 def build(out_dir: Path, models_dir: Path) -> Section:
     res = load_results(models_dir)
     if not res:
@@ -138,4 +169,4 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "(specialist); no deeper model was trained from scratch. Numbers are read from the committed "
              f"{EVAL_FILE} files (kvstate depth eval --n 10); the learning curves are in the model cards.")
     return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", intro=intro, tables=[table],
-                   figures=[_figure(res, out_dir)], summary={"results": res}, headline=headline(res))
+                   figures=[_figure(res, out_dir), *filter(None, [_curves(models_dir, out_dir)])], summary={"results": res}, headline=headline(res))
