@@ -6,11 +6,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= report
 # pure modules (no torch): mypy --strict
-PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py radix.py eviction.py store.py evaluate.py) src/kvstate/workloads/traces.py src/kvstate/depth/patterns.py
+PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py radix.py eviction.py store.py evaluate.py config.py) src/kvstate/workloads/traces.py src/kvstate/depth/patterns.py
 
 .PHONY: setup demo test lint bench clean
 
 $(STAMP): pyproject.toml
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+		|| echo "warning: Chromium not installed; the report's browser test will fail (apt-get install -y chromium)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0

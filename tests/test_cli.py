@@ -81,15 +81,20 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_report_writes_html_and_summary(tmp_path):
-    res = runner.invoke(app, ["report", "--out", str(tmp_path / "r"), "--models", str(tmp_path / "none")])
+    out = tmp_path / "r"
+    res = runner.invoke(app, ["report", "--out", str(out), "--models", str(tmp_path / "none"),
+                              "--section", "model state"])
     assert res.exit_code == 0, res.output
-    html = (tmp_path / "r" / "index.html").read_text()
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    html = (out / "index.html").read_text()
+    summary = json.loads((out / "summary.json").read_text())
     assert "Qwen3.5-0.8B shape" in html and "<img" in html
-    assert summary["model_state"]["Qwen3.5-0.8B shape (bf16)"]["checkpoint_bytes"] == 19759104
-    assert set(summary["prefix"]) >= {"quality", "chat", "budgets"}
-    assert (tmp_path / "r" / "prefix_savings.png").stat().st_size > 1000
-    assert (tmp_path / "r" / "model_state_bytes.png").stat().st_size > 1000
+    assert summary["sections"]["model_state"]["Qwen3.5-0.8B shape (bf16)"]["checkpoint_bytes"] == 19759104
+    assert (out / "model_state_bytes.png").stat().st_size > 1000
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    res = _run_cli("report", "--out", str(tmp_path / "notes"), "--section", "model state")
+    assert res.returncode == 2 and "is not a kvstate report" in " ".join(res.stderr.split())
+    assert "Traceback" not in res.stderr and (tmp_path / "notes" / "a.txt").read_text() == "mine"
 
 
 def test_plan_compares_methods_from_weights_and_trace(tmp_path):
@@ -110,7 +115,7 @@ def test_plan_compares_methods_from_weights_and_trace(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
     write_trace(tmp_path / "t.jsonl", generate("quality", 30, seed=0, scale=0.02))
     res = runner.invoke(app, ["plan", "--trace", str(tmp_path / "t.jsonl"), "--slots", "4", "--method", "optimal"])
-    assert res.exit_code == 0, res.output and "optimal" in res.output
+    assert res.exit_code == 0 and "optimal" in res.output, res.output
 
 
 def test_plan_bad_input_exits_2(tmp_path):

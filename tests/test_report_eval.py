@@ -16,11 +16,20 @@ def test_eval_section_scores_each_reference_model(tmp_path, monkeypatch):
     model.save_pretrained(tmp_path / "no-tokenizer")
     monkeypatch.setattr(eval_section, "N", 1)
     monkeypatch.setattr(eval_section, "LENGTHS", [256])
+    monkeypatch.setattr(eval_section, "GATE_N", 1)
     section = eval_section.build(tmp_path, tmp_path)
-    assert [r[0] for r in section.tables[0].rows] == ["m"] * len(eval_section.TASKS)
-    assert all(0.0 <= r[4] <= 1.0 for r in section.tables[0].rows)
-    assert (tmp_path / "eval_m_depth.png").stat().st_size > 1000
+    rows = section.details[0].rows
+    assert [r[0] for r in rows] == ["m"] * len(eval_section.TASKS)
+    assert all(0.0 <= r[4] <= 1.0 for r in rows)
+    pivot = section.tables[0]
+    assert pivot.columns == ["task", "m @ 256"] and [r[0] for r in pivot.rows] == eval_section.TASKS
+    assert [r[1] for r in pivot.rows] == [f"{r[4]:.2f}" for r in rows]
+    assert (tmp_path / "eval_scores.png").stat().st_size > 1000
     assert set(section.summary["models"]) == {"m"}
+    gate = section.summary["gate"]["m"]
+    assert gate["n"] == 1 and gate["met"] == all(gate[t] >= 0.9 for t in eval_section.GATE_TASKS)
+    [row] = section.headline
+    assert row.met is gate["met"] and row.measured.startswith(f"{gate['niah_single']:.2f} / ")
     assert not (tmp_path / "eval_learning_curves.png").exists()  # no training_state.json: no curve
 
 

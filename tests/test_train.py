@@ -152,7 +152,8 @@ def test_train_command_rejects_resume_with_init(tmp_path):
 def test_optimizer_state_round_trips_through_safetensors(tmp_path):
     import torch
 
-    from kvstate.eval.train import _load_optimizer, _save_optimizer
+    from kvstate.eval.optim_io import load_optimizer as _load_optimizer
+    from kvstate.eval.optim_io import save_optimizer as _save_optimizer
 
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
     opt = torch.optim.AdamW(params, lr=1e-3)

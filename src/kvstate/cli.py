@@ -1,7 +1,9 @@
 """The ``kvstate`` command line: thin wrappers that parse arguments, call library functions and print.
 
-Bad input (a missing model directory, a config that is not a causal LM, an unsupported family, a
-malformed file) prints one clear message and exits with code 2; ``--debug`` shows the traceback.
+One error path: every failure a user can cause — a usage error, or a :class:`KVStateError` raised where
+the input is read (model loading, config parsing, file I/O translate the errors of safetensors,
+transformers and the OS there) — prints one unwrapped line on stderr naming the input and the fix and
+exits with code 2; ``--debug`` shows the traceback instead. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstate.errors import KVStateError
+from kvstate.io_safety import check_output_file
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Manage the state an LLM carries between tokens.")
 console = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"}
 
 
@@ -76,11 +80,18 @@ def info(
 def report(
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("report"),
     models_dir: Annotated[Path, typer.Option("--models", help="Directory of embedded reference models.")] = Path("models"),
+    section: Annotated[list[str] | None, typer.Option("--section", help="Only this section (repeatable).")] = None,
 ) -> None:
-    """The main job: every technique's section on the embedded default models → DIR/index.html + summary.json."""
+    """The main job: every technique's section on the embedded default models → DIR/index.html + summary.json.
+
+    Built in a temporary sibling directory and swapped in when complete: a failed run leaves the previous
+    report untouched. A DIR that exists and is not a kvstate report is refused.
+    """
+    from kvstate.io_safety import check_output_dir
     from kvstate.report import build_report
 
-    index = build_report(out, models_dir)
+    check_output_dir(out, overwrite=True)  # an unwritable --out fails before the sections run
+    index = build_report(out, models_dir, only=section or None)
     console.print(f"report written: {index} and {out / 'summary.json'}")
 
 
@@ -103,13 +114,22 @@ def plan(
 
     if (weights is None) == (trace is None):
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
+    if plot_path is not None:
+        check_output_file(plot_path, "--plot")
+        if plot_path.suffix.lower() not in PLOT_SUFFIXES:
+            raise KVStateError(f"--plot {str(plot_path)!r}: no image format for suffix {plot_path.suffix!r}; "
+                               f"end the name in one of {', '.join(PLOT_SUFFIXES)}")
     if weights is not None:
         if not weights.is_file():
-            raise KVStateError(f"--weights {str(weights)!r} does not exist.")
+            raise KVStateError(f"--weights {str(weights)!r} {'is a directory' if weights.is_dir() else 'does not exist'}; "
+                               "pass a .npy file")
         try:
             w = np.load(weights, allow_pickle=False)
-        except ValueError as exc:
-            raise KVStateError(f"--weights {str(weights)!r} is not a .npy array: {exc}") from exc
+        except (ValueError, OSError, EOFError) as exc:
+            raise KVStateError(f"--weights {str(weights)!r} is not a readable .npy array ({exc}); save one with "
+                               "numpy.save") from None
+        if not isinstance(w, np.ndarray):  # an .npz archive
+            raise KVStateError(f"--weights {str(weights)!r} is an .npz archive; pass one .npy array")
     else:
         assert trace is not None
         w = overlap_weights(read_trace(trace), prefix_id)
@@ -120,7 +140,7 @@ def plan(
     try:
         plans = {m: plan_checkpoints(w, slots, m, align) for m in methods}
     except ValueError as exc:
-        raise KVStateError(str(exc)) from exc
+        raise KVStateError(f"{exc} (--weights/--trace, --slots, --align)") from None
     rows = {m: {"positions": p, "expected_recompute": expected_recompute(w, p)} for m, p in plans.items()}
     if plot_path is not None:
         _plot_plan(plot_path, w, plans)
@@ -152,8 +172,12 @@ def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ign
     ax.set_ylabel("weight")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except (OSError, ValueError) as exc:  # an unwritable path, or a suffix matplotlib has no writer for
+        raise KVStateError(f"--plot {str(path)!r} cannot be written ({exc}); pass a writable .png path") from None
+    finally:
+        plt.close(fig)
 
 
 def _register_model_commands() -> None:
@@ -161,22 +185,47 @@ def _register_model_commands() -> None:
 
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
-    from kvstate.cli_depth import app as depth_app
-
-    app.add_typer(depth_app, name="depth")
+    app.add_typer(__import__("kvstate.cli_prefix", fromlist=["app"]).app, name="prefix")
+    app.add_typer(__import__("kvstate.cli_depth", fromlist=["app"]).app, name="depth")
 
 
 _register_model_commands()
 
 
-def main() -> None:
+def _fail(message: str) -> None:
+    # one line, written directly: a Rich console would wrap it at the terminal width
+    sys.stderr.write("error: " + " ".join(message.split()) + "\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: usage errors and :class:`KVStateError` become one line on stderr and exit code 2."""
+    try:  # typer >= 0.20 runs on its own vendored copy of click
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_exc  # type: ignore[no-redef]
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
     try:
-        app()  # standalone: click handles usage errors itself (exit code 2)
-    except KVStateError as exc:
-        if _state["debug"]:
-            raise
-        err.print(f"[bold red]error:[/] {exc}")
+        code = app(args=args, prog_name="kvstate", standalone_mode=False)
+    except click_exc.NoArgsIsHelpError as exc:
+        exc.show()  # bare `kvstate`: the help text
         sys.exit(2)
+    except click_exc.ClickException as exc:  # bad option, missing argument, wrong type: click's own message
+        if debug:
+            raise
+        where = f" (see {exc.ctx.command_path} --help)" if getattr(exc, "ctx", None) is not None else ""
+        _fail(exc.format_message() + where)
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        sys.exit(130)
+    except KVStateError as exc:
+        if debug or _state["debug"]:
+            raise
+        _fail(str(exc))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

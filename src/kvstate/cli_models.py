@@ -37,6 +37,8 @@ def parse_lengths(value: str) -> list[int]:
     for item in _split(value, "length"):
         text = item.upper()
         try:
+            if not text.removesuffix("K").isdigit():  # int() would take "1_000", "+5" and " 5"
+                raise ValueError(text)
             out.append(int(text[:-1]) * 1024 if text.endswith("K") else int(text))
         except ValueError:
             raise KVStateError(f"--length {item!r} is not a token count; pass integers such as 512,1024 "
@@ -54,12 +56,18 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     out: dict[str, object] = {}
     for item in items:
         key, sep, raw = item.partition("=")
+        if key.strip() in ("arch", "minutes", "seed"):
+            raise KVStateError(f"--set {item!r}: {key.strip()} has its own option; pass --{key.strip()} instead")
         if not sep or key.strip() not in names:
             raise KVStateError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(names))}")
+        if key.strip() in out:
+            raise KVStateError(f"--set {key.strip()} given twice; pass each field once")
         try:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
             out[key.strip()] = raw  # a bare string such as advance_metric=exact
+        except RecursionError:
+            raise KVStateError(f"--set {key.strip()}: value nested too deeply; pass a plain JSON value") from None
     return out
 
 
@@ -68,11 +76,14 @@ def train_command(
     out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
     minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock training budget of this run.")] = 30.0,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the initialisation and the data stream.")] = 0,
-    resume: Annotated[Path | None, typer.Option("--resume", help="Continue a run saved in this directory.")] = None,
+    resume: Annotated[Path | None, typer.Option(
+        "--resume", help="Continue a run saved in this directory (an unfinished run's periodic saves: .DIR.partial).")] = None,
     init_from: Annotated[Path | None, typer.Option(
         "--init-from", help="Start a new model from a trained one's matching tensors (e.g. hybrid from ref-attn).")] = None,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a TrainConfig field, e.g. --set max_length=2048 --set threads=1 (JSON values).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out directory that already holds files (replaced whole when the run ends).")] = False,
 ) -> None:
     """Train a reference model on the synthetic tasks with a context-length curriculum (CPU, bf16 autocast)."""
     _passive_openmp()
@@ -82,11 +93,8 @@ def train_command(
 
     if resume is not None and init_from is not None:
         raise KVStateError("--resume and --init-from exclude each other: a resumed run keeps its own weights")
-    try:
-        cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed, **parse_overrides(overrides or []))
-    except TypeError as err:  # a value of the wrong type, e.g. --set max_length='"long"'
-        raise KVStateError(f"--set: {err}; pass JSON values of the field's type") from None
-    state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None)
+    cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed, **parse_overrides(overrides or []))
+    state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None, overwrite=overwrite)
     last = state["curve"][-1] if state["curve"] else {}
     Console().print(f"saved {out}: {state['params']:,} parameters, step {state['step']}, "
                     f"{state['tokens']:,} tokens, {state['seconds'] / 60:.1f} min, length {state['length']}, "
@@ -106,14 +114,16 @@ def eval_command(
     from rich.console import Console
     from rich.table import Table
 
-    from kvstate.eval.harness import check_tasks, load_reference, run_tasks
+    from kvstate.eval.harness import MAX_EXAMPLES, check_lengths_fit, check_tasks, load_reference, run_tasks
+    from kvstate.models.loading import load_config
 
     tasks, lengths = _split(task, "task"), parse_lengths(length)
     check_tasks(tasks, lengths)  # before loading the model: bad names fail fast
-    if n < 1:
-        raise KVStateError(f"--n {n} must be >= 1 (examples per task and length)")
+    if not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task and length)")
     if seed < 0:
         raise KVStateError(f"--seed {seed} must be >= 0")
+    check_lengths_fit(load_config(model), lengths)  # the config alone: before reading the weights
     lm, tokenizer = load_reference(model)
     result = run_tasks(lm, tokenizer, tasks, lengths, n, seed, progress=not as_json)
     table = Table(title=f"{model} — full cache, n={n}, seed={seed}")

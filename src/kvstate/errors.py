@@ -2,7 +2,7 @@
 
 Every bad input raises one of these (or a plain ``ValueError`` from a pure module) with a message that
 names the input, the problem and the fix. ``KVStateError`` subclasses ``ValueError`` so callers that
-catch ``ValueError`` keep working.
+catch ``ValueError`` keep working. The CLI prints any of them as one line on stderr and exits with 2.
 """
 
 
@@ -15,7 +15,15 @@ class UnsupportedModelError(KVStateError):
 
 
 class ModelLoadError(KVStateError):
-    """A model directory could not be read (missing, no config, not a causal LM)."""
+    """A model directory could not be read (missing, no config, not a causal LM, missing weights)."""
+
+
+class ModelConfigError(ModelLoadError):
+    """A model config with impossible values (non-positive dimensions, inconsistent layer lists, unknown dtype)."""
+
+
+class IntegrityError(ModelLoadError):
+    """A file does not match the checksum its directory's manifest recorded, or its header is corrupt."""
 
 
 class BudgetError(KVStateError):
@@ -24,3 +32,11 @@ class BudgetError(KVStateError):
 
 class TraceFormatError(KVStateError):
     """A trace / payload file does not parse; the message names the line."""
+
+
+class OutputError(KVStateError):
+    """An output path that cannot be written, or that holds earlier output and no ``overwrite`` was given."""
+
+
+class InputFileError(KVStateError):
+    """An input file that cannot be opened or read (missing, a directory, no permission, not UTF-8)."""

@@ -105,7 +105,8 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
 def _write_state(out: Path, state: dict[str, Any]) -> None:
     import torch
 
-    from kvstate.eval.train import STATE_FILE
+    from kvstate.eval.train_io import STATE_FILE
+    from kvstate.integrity import MANIFEST, write_manifest
 
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
@@ -113,6 +114,8 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
     tmp = out / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(state, indent=1))
     tmp.replace(out / STATE_FILE)
+    if (out / MANIFEST).is_file():  # the training state changed after kvstate train wrote its checksums
+        write_manifest(out)
 
 
 __all__ = ["DEPTH_KEY", "DepthTrainConfig", "depth_train"]

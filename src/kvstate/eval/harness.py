@@ -32,6 +32,9 @@ from kvstate.workloads.tasks import DEPTH_TASKS, TASKS, Example, generate, min_l
 CacheFactory = Callable[[Any], Any]  # model -> a fresh transformers Cache for one example
 SCORED_TASKS = tuple(t for t in TASKS if t != "text")  # tasks with an answer to score
 EVEN = "even"  # depths of a needle task's n examples spread evenly over [0, 1]: i / (n - 1)
+MAX_LENGTH = 2**20  # longest context evaluated when a model states no position limit (building examples is O(length))
+MAX_EXAMPLES = 100_000  # examples per (task, length): more are built up front and would stall for hours
+DECODE_ROOM = 32  # positions kept free for the answer when checking a length against the position limit
 
 
 class UnknownTaskError(KVStateError):
@@ -40,6 +43,10 @@ class UnknownTaskError(KVStateError):
 
 class LengthTooShortError(KVStateError):
     """A context length shorter than a task's fixed parts."""
+
+
+class LengthTooLongError(KVStateError):
+    """A context length beyond the model's position limit (or beyond any sensible evaluation)."""
 
 
 class MissingTokenizerError(ModelLoadError):
@@ -133,6 +140,11 @@ def check_tasks(tasks: Sequence[str], lengths: Sequence[int]) -> None:
     """Raise a :class:`KVStateError` naming the valid choices for an unknown task or a too-short length."""
     if len(tasks) == 0:
         raise UnknownTaskError(f"no task given; choose from {', '.join(SCORED_TASKS)}")
+    for kind, values in (("task", tasks), ("length", lengths)):
+        dup = sorted({str(v) for v in values if list(values).count(v) > 1})
+        if dup:
+            raise KVStateError(f"{kind} {', '.join(dup)} given more than once; list each {kind} once "
+                               "(raise --n for more examples)")
     for task in tasks:
         if task not in SCORED_TASKS:
             hint = " ('text' has no answer; measure it with perplexity())" if task == "text" else ""
@@ -142,11 +154,28 @@ def check_tasks(tasks: Sequence[str], lengths: Sequence[int]) -> None:
     for length in lengths:
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise LengthTooShortError(f"length {length!r} must be a positive int (tokens of context + question)")
+        if length > MAX_LENGTH:
+            raise LengthTooLongError(f"length {length:,} is beyond {MAX_LENGTH:,} tokens, longer than any model here "
+                                     "handles; pass a shorter --length")
         for task in tasks:
             need = min_length(task)
             if length < need:
                 raise LengthTooShortError(f"length {length} is too short for task {task!r}, which needs at least "
                                           f"{need} tokens; pass --length >= {need}")
+
+
+def check_lengths_fit(config: Any, lengths: Sequence[int], max_new_tokens: int | None = None) -> None:
+    """Raise :class:`LengthTooLongError` for a length (+ room for the answer) beyond ``max_position_embeddings``."""
+    from kvstate.models.families import text_config
+
+    limit = getattr(text_config(config), "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return
+    room = 1 + (max_new_tokens or DECODE_ROOM)  # <bos> and the answer
+    for length in lengths:
+        if length + room > limit:
+            raise LengthTooLongError(f"length {length:,} + {room} tokens for <bos> and the answer exceeds the model's "
+                                     f"max_position_embeddings={limit:,}; pass --length <= {limit - room:,}")
 
 
 def cache_nbytes(cache: Any) -> int:
@@ -213,8 +242,11 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
     from tqdm.auto import tqdm
 
     check_tasks(tasks, lengths)
-    if not isinstance(n, int) or n < 1:
-        raise KVStateError(f"n={n!r} must be an int >= 1 (examples per task and length)")
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"n={n!r} must be an int in 1..{MAX_EXAMPLES:,} (examples per task and length)")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise KVStateError(f"seed={seed!r} must be an int >= 0")
+    check_lengths_fit(model.config, lengths, max_new_tokens)
     if max_new_tokens is not None and max_new_tokens < 1:
         raise KVStateError(f"max_new_tokens={max_new_tokens} must be >= 1 (or None for the target length + 8)")
     if isinstance(depths, str) and depths != EVEN:

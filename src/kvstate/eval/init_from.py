@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers as tf
+
+from kvstate.errors import ModelLoadError
 
 
 def init_from_model(model: Any, source_dir: Path) -> int:
@@ -21,11 +22,17 @@ def init_from_model(model: Any, source_dir: Path) -> int:
     Gated attention's query half of ``q_proj`` takes the source query; the recurrent layers' output
     projections start at zero so they add nothing until trained. Returns the number of tensors copied.
     """
-    source = tf.AutoModelForCausalLM.from_pretrained(source_dir, local_files_only=True)
+    from kvstate.models.loading import load_model
+
+    source = load_model(source_dir)  # checked: a missing or corrupt --init-from fails here, before training
     src = source.state_dict()
     # the gate / norm translations apply only from plain attention into Qwen3.5; same-family copies are verbatim
     gated = source.config.model_type != model.config.model_type and model.config.model_type.startswith("qwen3_5")
-    n_src = 1 + max(int(k.split(".")[2]) for k in src if k.startswith("model.layers."))
+    layers = [int(k.split(".")[2]) for k in src if k.startswith("model.layers.")]
+    if not layers:
+        raise ModelLoadError(f"--init-from {str(source_dir)!r} has no model.layers.* tensors to copy; pass a "
+                             "reference model trained by kvstate train (Qwen3 or Qwen3.5)")
+    n_src = 1 + max(layers)
     n_dst = model.config.num_hidden_layers
     copied = 0
     zero_centered = {n for n, m in model.named_modules() if gated and type(m).__name__ == "Qwen3_5RMSNorm"}

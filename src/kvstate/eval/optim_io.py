@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+
+from kvstate.errors import InputFileError
 
 
 def save_optimizer(optimizer: Any, path: Path) -> None:
@@ -23,6 +26,15 @@ def save_optimizer(optimizer: Any, path: Path) -> None:
 
 
 def load_optimizer(path: Path) -> dict[str, Any]:
+    """The optimizer state saved by :func:`save_optimizer`; :class:`InputFileError` when the file is corrupt."""
+    try:
+        return _load(path)
+    except (SafetensorError, KeyError, ValueError, TypeError, OSError) as exc:
+        raise InputFileError(f"optimizer state {str(path)!r} is corrupt or not kvstate's ({type(exc).__name__}: "
+                             f"{exc}); resume from an intact run directory") from None
+
+
+def _load(path: Path) -> dict[str, Any]:
     from safetensors import safe_open
 
     state: dict[int, dict[str, torch.Tensor]] = {}

@@ -46,11 +46,19 @@ import numpy as np
 import torch
 import transformers as tf
 
-from kvstate.errors import KVStateError
 from kvstate.eval.init_from import init_from_model as _init_from
 from kvstate.eval.objective import _lr, answer_stats, weighted_loss
 from kvstate.eval.optim_io import load_optimizer as _load_optimizer
-from kvstate.eval.optim_io import save_optimizer as _save_optimizer
+from kvstate.eval.train_io import (
+    OPTIM_FILE,
+    TrainError,
+    drop_partial,
+    load_state,
+    partial_dir,
+    save_run,
+)
+from kvstate.io_safety import check_output_dir
+from kvstate.validate import check_float, check_int
 from kvstate.workloads.drills import copy_batch, drill_batch
 from kvstate.workloads.tasks import TaskConfig, training_batch
 from kvstate.workloads.tokenizer import build_tokenizer
@@ -64,11 +72,21 @@ GATE_TASKS = ("niah_single", "niah_multikey")
 TASK_MIX = {"niah_single": 1.5, "niah_multikey": 2.5, "niah_drill": 6.0, "copy": 3.0, "niah_multivalue": 0.25,
             "niah_multiquery": 0.25, "vt": 0.25, "qa": 0.5, "fwe": 0.1, "cwe": 0.1, "text": 0.25}
 DRILL, COPY = "niah_drill", "copy"
-STATE_FILE, OPTIM_FILE = "training_state.json", "optimizer.safetensors"  # safetensors: never pickle
-
-
-class TrainError(KVStateError):
-    """A training run cannot start: bad config, or a resume directory that is not a training output."""
+_BIG = 2**31 - 1
+# (field, kind, low, high, low open): every number of TrainConfig is type- and range-checked first
+_NUMBERS = (("minutes", float, 0.0, 1e6, True), ("seed", int, 0, 2**32 - 1, False), ("hidden_size", int, 2, 65536, False),
+            ("num_layers", int, 1, 1024, False), ("intermediate_size", int, 1, 2**20, False),
+            ("num_heads", int, 1, 1024, False), ("num_kv_heads", int, 1, 1024, False),
+            ("start_length", int, 16, 2**20, False), ("max_length", int, 16, 2**20, False),
+            ("tokens_per_step", int, 1, 2**24, False), ("min_batch", int, 1, 4096, False),
+            ("max_batch", int, 1, 4096, False), ("lr", float, 0.0, 1.0, True), ("warmup_steps", int, 1, _BIG, False),
+            ("decay_fraction", float, 0.0, 1.0, False), ("weight_decay", float, 0.0, 10.0, False),
+            ("answer_weight", float, 1.0, 1e6, True), ("answer_share", float, 0.0, 1.0, True),
+            ("advance_at", float, 0.0, 1.0, True), ("window", int, 1, 10**6, False),
+            ("stage_patience_min", float, 0.0, 1e6, False), ("patience_floor", float, 0.0, 1.0, False),
+            ("shorter_share", float, 0.0, 1.0, False), ("threads", int, 1, 1024, False),
+            ("max_steps", int, 1, _BIG, False), ("save_every_min", float, 0.0, 1e6, True),
+            ("log_every", int, 1, _BIG, False), ("resume_length", int, 16, 2**20, False))
 
 
 @dataclass(frozen=True)
@@ -113,15 +131,22 @@ class TrainConfig:
         return dict(TASK_MIX if self.task_mix is None else self.task_mix)
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
             raise TrainError(f"TrainConfig.arch={self.arch!r} is not one of {', '.join(ARCHS)}")
-        if not self.minutes > 0:
-            raise TrainError(f"TrainConfig.minutes={self.minutes} must be > 0")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise TrainError(f"TrainConfig.seed={self.seed!r} must be an int >= 0")
-        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise TrainError(f"TrainConfig: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads}, "
-                             f"and num_heads by num_kv_heads={self.num_kv_heads}")
+        for name, kind, lo, hi, lo_open in _NUMBERS:
+            value = getattr(self, name)
+            if value is None and name in ("num_layers", "answer_share", "max_steps", "resume_length"):
+                continue
+            if kind is int:
+                check_int(f"TrainConfig.{name}", value, lo, hi, error=TrainError)
+            else:
+                check_float(f"TrainConfig.{name}", value, lo, hi, lo_open=lo_open, hi_open=name in (
+                    "answer_share", "decay_fraction", "shorter_share"), error=TrainError)
+        if not isinstance(self.bf16, bool) or not isinstance(self.advance_metric, str):
+            raise TrainError(f"TrainConfig: bf16={self.bf16!r} must be true/false and advance_metric a string")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2 or self.num_heads % self.num_kv_heads:
+            raise TrainError(f"TrainConfig: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads} "
+                             f"into an even head size, and num_heads by num_kv_heads={self.num_kv_heads}")
         if self.num_layers is not None and (self.num_layers < 1 or (self.arch == "hybrid" and self.num_layers % 4)):
             raise TrainError(f"TrainConfig.num_layers={self.num_layers} must be >= 1 (a multiple of 4 for hybrid: "
                              "3 Gated DeltaNet : 1 attention)")
@@ -143,6 +168,10 @@ class TrainConfig:
         if self.advance_metric not in ("first_token", "exact"):
             raise TrainError(f"TrainConfig.advance_metric={self.advance_metric!r} must be 'first_token' or 'exact'")
         if self.task_mix is not None:
+            if not isinstance(self.task_mix, dict) or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in self.task_mix.values()):
+                raise TrainError(f"TrainConfig.task_mix={self.task_mix!r} must be a JSON object of task -> finite share")
             unknown = sorted(set(self.task_mix) - set(TASK_MIX))
             if unknown or not all(v >= 0 for v in self.task_mix.values()) or not any(
                     self.task_mix.get(t, 0) > 0 for t in GATE_TASKS):
@@ -152,8 +181,6 @@ class TrainConfig:
         if self.resume_length is not None and not self.start_length <= self.resume_length <= self.max_length:
             raise TrainError(f"TrainConfig.resume_length={self.resume_length} must lie in [start_length, max_length] "
                              f"= [{self.start_length}, {self.max_length}]")
-        if self.lr <= 0 or self.threads < 1 or self.window < 1:
-            raise TrainError("TrainConfig: lr, threads and window must be positive")
 
     @property
     def layers(self) -> int:
@@ -232,50 +259,37 @@ def make_batch(cfg: TrainConfig, length: int, step: int, tokenizer: Any) -> tupl
     return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(weights)), row_tasks
 
 
-def _save(model: Any, tokenizer: Any, optimizer: Any, out: Path, state: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    _save_optimizer(optimizer, out / (OPTIM_FILE + ".tmp"))
-    (out / (OPTIM_FILE + ".tmp")).replace(out / OPTIM_FILE)
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(out / STATE_FILE)
-
-
-def load_state(run_dir: str | Path) -> dict[str, Any]:
-    """The ``training_state.json`` of a training output directory."""
-    path = Path(run_dir) / STATE_FILE
-    if not path.is_file():
-        raise TrainError(f"resume directory {str(run_dir)!r} has no {STATE_FILE}; pass a directory written by "
-                         "kvstate train --out")
-    return json.loads(path.read_text())
-
-
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
           init_from: str | Path | None = None, progress: bool = True, log: Any = print,
-          context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+          overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
     """Train ``cfg.arch`` for ``cfg.minutes`` (or ``cfg.max_steps``) and save to ``out_dir``; returns the state.
 
     ``resume`` continues a saved run (model, optimizer, curriculum stage, step); ``init_from`` seeds a new
-    hybrid from a trained attention model. ``context(model)`` wraps the loop (hooks on the model, e.g.
-    routing). The returned state holds the learning curve.
+    hybrid from a trained attention model. The returned state holds the learning curve. An ``out_dir``
+    that already holds files is refused unless ``overwrite`` (or it is the ``resume`` directory itself);
+    it is replaced whole only when the run completes (:mod:`kvstate.eval.train_io`). A non-finite loss,
+    gradient or weight stops the run with :class:`TrainError` and saves nothing. ``context(model)`` wraps
+    the loop (hooks on the model, e.g. routing).
     """
     from tqdm.auto import tqdm
 
+    from kvstate.models.loading import load_model
+
+    out = Path(out_dir)
+    same = resume is not None and Path(resume).resolve() == out.resolve()
+    check_output_dir(out, overwrite=overwrite or same)  # before any work: refuse, or fail fast if unwritable
     torch.set_num_threads(cfg.threads)
     dist = torch.distributed
     ddp = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     progress, log = progress and rank == 0, log if rank == 0 else (lambda *_: None)
-    out = Path(out_dir)
     tokenizer = build_tokenizer()
     if resume is not None:
         state = load_state(resume)
         if state["config"]["arch"] != cfg.arch:
             raise TrainError(f"resume directory {str(resume)!r} holds a {state['config']['arch']!r} run, not "
                              f"{cfg.arch!r}; pass --arch {state['config']['arch']}")
-        model = tf.AutoModelForCausalLM.from_pretrained(resume, local_files_only=True, dtype=torch.float32)
+        model = load_model(resume, torch.float32)
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
@@ -290,7 +304,11 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if resume is not None and (Path(resume) / OPTIM_FILE).is_file():
-        optimizer.load_state_dict(_load_optimizer(Path(resume) / OPTIM_FILE))
+        try:
+            optimizer.load_state_dict(_load_optimizer(Path(resume) / OPTIM_FILE))
+        except (ValueError, KeyError) as exc:
+            raise TrainError(f"{str(Path(resume) / OPTIM_FILE)!r} does not fit this model ({exc}); resume from the "
+                             "run that wrote it") from None
     windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
     first_windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
     if resume is not None and cfg.resume_length is not None:
@@ -321,7 +339,11 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             loss = weighted_loss(ce, weights[:, 1:], cfg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))):
+                raise TrainError(f"training diverged at step {step}: loss {loss.item()}, gradient norm {grad_norm.item()} "
+                                 f"(lr {cfg.lr:g}); nothing of this run was saved as a model (periodic saves, if any, are "
+                                 f"in {str(partial_dir(out))!r}) — lower --set lr=... and train again")
             optimizer.step()
             has, exact, first = answer_stats(logits.detach(), ids, weights, cfg.answer_weight)
             for r, task in enumerate(row_tasks):
@@ -359,13 +381,14 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
                     w.clear()
             state["step"], state["length"] = step, length
             if rank == 0 and now - last_save > cfg.save_every_min * 60:
-                _save(model, tokenizer, optimizer, out, {**state, "seconds": state["seconds"] + now - t_start})
+                save_run(model, tokenizer, optimizer, partial_dir(out), {**state, "seconds": state["seconds"] + now - t_start})
                 last_save = now
     bar.close()
     state["seconds"] += time.monotonic() - t_start
     model.eval()
     if rank == 0:
-        _save(model, tokenizer, optimizer, out, state)
+        save_run(model, tokenizer, optimizer, out, state)
+        drop_partial(out)
     return state
 
 

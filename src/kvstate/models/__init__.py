@@ -21,6 +21,7 @@ from kvstate.models.families import (
 )
 from kvstate.models.loading import load_config, load_model
 from kvstate.models.prefill import PrefillOutput, segmented_prefill
+from kvstate.models.resumable import ResumableCache
 from kvstate.models.state import (
     AttentionState,
     CacheSnapshot,
@@ -39,6 +40,7 @@ __all__ = [
     "LayerSnapshot",
     "PrefillOutput",
     "RecurrentState",
+    "ResumableCache",
     "StateInfo",
     "checkpoint_bytes",
     "chunk_size",

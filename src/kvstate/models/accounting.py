@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvstate.models.config_check import check_config
 from kvstate.models.families import LayerKind, RecurrentKind, chunk_size, family_of, layer_kinds, text_config
 
 RECURRENT_STATE_DTYPE = torch.float32  # transformers keeps SSM / delta-rule states in fp32 even in bf16 models
@@ -112,6 +113,9 @@ class StateInfo:
 
 
 def describe(config: Any, dtype: torch.dtype | None = None) -> StateInfo:
+    """The state accounting of a config; :class:`~kvstate.errors.ModelConfigError` for impossible values."""
+    family_of(config)  # an unsupported family is named before its fields are checked
+    check_config(config)
     dtype = dtype or model_dtype(config)
     kv = kv_bytes_per_token(config, dtype)
     ck = checkpoint_bytes(config, dtype)

@@ -84,8 +84,8 @@ def segmented_prefill(
         )
         pieces.append(out.logits if all_logits else out.logits[:, -1])
         if capture is not None and cut in wanted:
-            snap = snapshot_cache(cache, cut, kinds)
-            snapshots[cut] = snap.recurrent_only() if capture == "recurrent" else snap
+            # "recurrent": the checkpoint part only, without cloning the attention KV
+            snapshots[cut] = snapshot_cache(cache, cut, kinds, attention=capture != "recurrent")
         prev = cut
     logits = torch.cat(pieces, dim=1) if all_logits else pieces[-1]
     return PrefillOutput(logits=logits, cache=cache, snapshots=snapshots)

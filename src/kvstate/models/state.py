@@ -22,6 +22,7 @@ from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCa
 
 from kvstate.errors import KVStateError
 from kvstate.models.families import LayerKind, layer_kinds
+from kvstate.models.resumable import ResumableCache
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,11 @@ class CacheSnapshot:
         return CacheSnapshot(self.length, layers, self.has_attention, self.has_recurrent)
 
 
-def snapshot_cache(cache: DynamicCache, length: int, kinds: list[LayerKind]) -> CacheSnapshot:
-    """Clone the state of ``cache``, which has consumed exactly ``length`` tokens."""
+def snapshot_cache(
+    cache: DynamicCache, length: int, kinds: list[LayerKind], *, attention: bool = True
+) -> CacheSnapshot:
+    """Clone the state of ``cache``, which has consumed exactly ``length`` tokens (``attention=False``: the
+    recurrent parts only, without copying the attention KV — a sparse checkpoint)."""
     if len(cache.layers) != len(kinds):
         raise KVStateError(
             f"cache has {len(cache.layers)} layers but the model config has {len(kinds)}; "
@@ -126,11 +130,12 @@ def snapshot_cache(cache: DynamicCache, length: int, kinds: list[LayerKind]) -> 
         )
     layers = []
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
-        attention = recurrent = None
+        att: AttentionState | None = None
+        recurrent: RecurrentState | None = None
         if isinstance(layer, DummyLayer):  # a layer reading another's KV (cross-layer sharing): nothing to copy
             layers.append(LayerSnapshot(kind))
             continue
-        if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
+        if attention and kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             if not isinstance(layer, DynamicLayer) or layer.keys is None or not layer.is_initialized:
                 raise KVStateError(f"layer {i} ({kind}) holds no attention KV yet; run a forward pass before snapshotting.")
             if layer.keys.shape[-2] != length:
@@ -138,15 +143,15 @@ def snapshot_cache(cache: DynamicCache, length: int, kinds: list[LayerKind]) -> 
                     f"layer {i} holds {layer.keys.shape[-2]} tokens of KV but the snapshot was asked at {length}; "
                     "snapshot exactly at the position the cache has reached (sliding-window layers are not supported)."
                 )
-            attention = AttentionState(layer.keys.clone(), layer.values.clone())
+            att = AttentionState(layer.keys.clone(), layer.values.clone())
         if kind in (LayerKind.RECURRENT, LayerKind.HYBRID):
             if not isinstance(layer, LinearAttentionCacheLayerMixin) or not layer.is_recurrent_states_initialized[0]:
                 raise KVStateError(f"layer {i} ({kind}) holds no recurrent state yet; run a forward pass first.")
             if layer.number_of_states != 1:
                 raise KVStateError(f"layer {i} carries {layer.number_of_states} recurrent states; kvstate supports 1.")
             recurrent = RecurrentState(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
-        layers.append(LayerSnapshot(kind, attention, recurrent))
-    return CacheSnapshot(length, tuple(layers))
+        layers.append(LayerSnapshot(kind, att, recurrent))
+    return CacheSnapshot(length, tuple(layers), has_attention=attention)
 
 
 def restore_cache(
@@ -154,12 +159,13 @@ def restore_cache(
     snapshot: CacheSnapshot,
     length: int | None = None,
     recurrent: CacheSnapshot | None = None,
-) -> DynamicCache:
-    """A fresh ``DynamicCache`` holding ``snapshot``'s state at ``length`` tokens.
+) -> ResumableCache:
+    """A fresh ``DynamicCache`` (a :class:`ResumableCache`) holding ``snapshot``'s state at ``length`` tokens.
 
     Attention KV comes from ``snapshot`` sliced to ``length`` (default: its full length). Recurrent
     state comes from ``recurrent`` when given (a checkpoint, which must be at ``length``), else from
     ``snapshot`` (then ``length`` must equal ``snapshot.length``: a recurrent state cannot be sliced).
+    The cache reports ``length`` to ``model.generate``, which then feeds only the tokens after it.
     """
     length = snapshot.length if length is None else length
     kinds = layer_kinds(config)
@@ -179,7 +185,7 @@ def restore_cache(
         raise KVStateError(
             f"snapshot has {len(snapshot.layers)} layers but the config has {len(kinds)}: it was taken from another model."
         )
-    cache = DynamicCache(config=config)
+    cache = ResumableCache(config)
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
         if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             att = snapshot.layers[i].attention
@@ -195,4 +201,4 @@ def restore_cache(
             assert rec is not None
             layer.update_conv_state(rec.conv.clone())
             layer.update_recurrent_state(rec.recurrent.clone())
-    return cache
+    return cache.seal(length)

@@ -3,16 +3,20 @@
 - placement (pure): :func:`plan_checkpoints` (exact DP + baselines), :func:`expected_recompute`;
 - :class:`OverlapHistogram` (pure): decayed overlap-depth histograms, TV distance, Theorem-3 bound;
 - tree placement (pure): one slot budget over a prefix tree (beyond the paper);
-- store (pure bookkeeping) + :class:`SparsePrefixCache` (torch glue): dense attention KV + sparse
-  recurrent checkpoints under one byte budget, exact resume.
+- store (pure bookkeeping, one radix tree with shared KV, one transaction per request) +
+  :class:`SparsePrefixCache` (torch glue, configured by :class:`PrefixCacheConfig`): dense attention KV +
+  sparse recurrent checkpoints under one byte budget, exact resume.
 """
 
-from kvstate.prefix.engine import PrefillResult, SparsePrefixCache
+from importlib import import_module
+from typing import Any
+
+from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.histogram import OverlapHistogram, regret_bound, total_variation
 from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
 from kvstate.prefix.radix import EntryId, RadixIndex
-from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics
+from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
 from kvstate.prefix.tree_placement import (
     PrefixTree,
     TreePoint,
@@ -28,6 +32,7 @@ __all__ = [
     "OverlapHistogram",
     "Policy",
     "PrefillResult",
+    "PrefixCacheConfig",
     "PrefixStore",
     "PrefixTree",
     "RadixIndex",
@@ -35,6 +40,7 @@ __all__ = [
     "StoreConfig",
     "StoreMetrics",
     "TreePoint",
+    "Txn",
     "expected_recompute",
     "plan_checkpoints",
     "plan_independent",
@@ -44,3 +50,10 @@ __all__ = [
     "total_variation",
     "tree_expected_recompute",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # torch glue loads on first use, so the pure modules (and ``kvstate plan``) import without torch
+    if name in ("PrefillResult", "SparsePrefixCache"):
+        return getattr(import_module("kvstate.prefix.engine"), name)
+    raise AttributeError(f"module 'kvstate.prefix' has no attribute {name!r}")

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
+MAX_DEPTH = 2**26  # 64M tokens: weights() of a deeper histogram would take over 512 MB
 
 
 class OverlapHistogram:
@@ -44,15 +45,15 @@ class OverlapHistogram:
     """
 
     def __init__(self, n: int, *, gamma: float = 1.0, alpha: float = 0.0, bin_width: int = 1) -> None:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= MAX_DEPTH:
             raise ValueError(
-                f"n: the deepest overlap depth must be an int >= 0 (the prefix length), got {n!r}"
+                f"n: the deepest overlap depth must be an int >= 0 and <= {MAX_DEPTH} (the prefix length), got {n!r}"
             )
-        if not (isinstance(gamma, (int, float)) and 0.0 < gamma <= 1.0):
+        if isinstance(gamma, bool) or not (isinstance(gamma, (int, float)) and 0.0 < gamma <= 1.0):
             raise ValueError(
                 f"gamma: decay must be in (0, 1] (1 = no decay, 0.98 = ~50-request memory), got {gamma!r}"
             )
-        if not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha >= 0.0):
+        if isinstance(alpha, bool) or not (isinstance(alpha, (int, float)) and np.isfinite(alpha) and alpha >= 0.0):
             raise ValueError(f"alpha: Laplace smoothing must be a finite float >= 0, got {alpha!r}")
         if isinstance(bin_width, bool) or not isinstance(bin_width, (int, np.integer)) or bin_width < 1:
             raise ValueError(
@@ -161,15 +162,23 @@ class OverlapHistogram:
 
 
 def _distribution(w: npt.ArrayLike, name: str) -> FloatArray:
-    a = np.asarray(w, dtype=np.float64)
+    try:
+        raw = np.asarray(w)
+    except ValueError as exc:
+        raise ValueError(f"{name}: cannot be read as an array ({exc}); pass a 1-D array of weights") from None
+    if raw.dtype.kind not in "biuf":
+        raise ValueError(f"{name}: expected real per-depth weights, got dtype {raw.dtype}")
+    with np.errstate(over="ignore"):
+        a = raw.astype(np.float64)
     if a.ndim != 1 or a.size == 0:
         raise ValueError(f"{name}: expected a non-empty 1-D array of per-depth weights, got shape {a.shape}")
     if not np.all(np.isfinite(a)) or np.any(a < 0):
         raise ValueError(f"{name}: weights must be finite and >= 0")
-    total = float(a.sum())
-    if total <= 0:
+    peak = float(a.max())
+    if peak <= 0:
         raise ValueError(f"{name}: all weights are zero, so it is no distribution; pass some positive mass")
-    res: FloatArray = a / total
+    a = a / peak  # before summing: huge finite weights would overflow the sum
+    res: FloatArray = a / float(a.sum())
     return res
 
 

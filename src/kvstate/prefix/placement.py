@@ -52,14 +52,19 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 METHODS: tuple[str, ...] = ("optimal", "balanced", "block", "log", "sqrt", "junction")
+MAX_PLAN_BYTES = 4 * 2**30  # the exact planner's back-pointers beyond this are refused before allocating
 
 
 def _weights(weights: npt.ArrayLike) -> FloatArray:
     """Validate overlap-depth weights and return them as float64 scaled to sum 1."""
     try:
-        w = np.asarray(weights, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"weights: cannot be read as numbers ({exc}); pass a 1-D array of floats") from None
+        raw = np.asarray(weights)
+        if raw.dtype.kind not in "biuf":  # complex parts would be dropped, strings parsed: refuse both
+            raise TypeError(f"dtype {raw.dtype} is not real numbers")
+        with np.errstate(over="ignore"):
+            w = raw.astype(np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"weights: cannot be read as numbers ({exc}); pass a 1-D array of real floats") from None
     if w.ndim != 1 or w.size < 2:
         raise ValueError(
             f"weights: expected a 1-D array of length N+1 >= 2 (one weight per overlap depth 0..N), "
@@ -71,14 +76,15 @@ def _weights(weights: npt.ArrayLike) -> FloatArray:
         raise ValueError(
             f"weights: contains negative entries (min {w.min():g}); pass probabilities or counts >= 0"
         )
-    total = float(w.sum())
-    if total <= 0.0:
+    peak = float(w.max())
+    if peak <= 0.0:
         raise ValueError(
             "weights: all zero, so no overlap depth has any probability and every placement costs the "
             "same; pass at least one positive weight (e.g. a uniform prior np.ones(N+1)) or use "
             "OverlapHistogram with alpha > 0 before any request was observed"
         )
-    scaled: FloatArray = w / total
+    w = w / peak  # first: the sum of huge finite weights (1e308 each) would overflow to inf
+    scaled: FloatArray = w / float(w.sum())
     return scaled
 
 
@@ -214,6 +220,13 @@ def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
     cand = grid[np.add.reduceat(w, grid) > 0]
     if cand.size <= slots:
         return [int(v) for v in cand]
+    need = 4 * slots * (cand.size + 1)  # int32 back-pointers, one row per slot
+    if need > MAX_PLAN_BYTES:
+        raise ValueError(
+            f"slots: the exact planner would need {need / 2**30:.1f} GiB for {slots} slots over {cand.size:,} "
+            f"candidate depths (limit {MAX_PLAN_BYTES / 2**30:.0f} GiB); pass fewer slots, a larger align, "
+            "or method 'balanced'"
+        )
     g = np.concatenate(([0.0], cand.astype(np.float64)))  # line slopes -g_i; index 0 = no checkpoint
     x = np.concatenate(([0.0], survival[cand]))  # query points G_j, non-increasing in j
     base = g * x  # g_j G_j: savings of the deepest checkpoint alone

@@ -5,18 +5,30 @@
   the synthetic language, RULER-shaped tasks and word-level tokenizer the reference models use.
 """
 
-from kvstate.workloads.oracle import oracle_answer
-from kvstate.workloads.tasks import (
-    TASKS,
-    Example,
-    TaskConfig,
-    generate,
-    min_length,
-    training_batch,
-)
-from kvstate.workloads.tokenizer import build_tokenizer, count_tokens
+from importlib import import_module
+from typing import Any
+
 from kvstate.workloads.traces import WORKLOADS, Request, overlap_weights, read_trace, write_trace
 from kvstate.workloads.traces import generate as generate_trace
+
+# the task modules import transformers (tokenizers): loaded on first use, so the pure trace tools start fast
+_LAZY = {
+    "oracle_answer": "oracle",
+    "TASKS": "tasks",
+    "Example": "tasks",
+    "TaskConfig": "tasks",
+    "generate": "tasks",
+    "min_length": "tasks",
+    "training_batch": "tasks",
+    "build_tokenizer": "tokenizer",
+    "count_tokens": "tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"kvstate.workloads.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kvstate.workloads' has no attribute {name!r}")
 
 __all__ = [
     "TASKS",

@@ -14,6 +14,8 @@ Trace format (JSONL, one request per line), either
 ``{"tokens": [int, ...]}`` (replayable through a model), or
 ``{"prefix_id": "doc-3", "overlap": 5120, "length": 5400}`` (overlap depth against that prefix: enough
 to plan checkpoints). Lines may carry both; blank lines and lines starting with ``#`` are skipped.
+A length above :data:`MAX_TRACE_LENGTH` is refused when the trace is read: planning over it would
+allocate per-depth arrays of that size.
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.errors import TraceFormatError
+from kvstate.io_safety import normal_permissions, read_text_input
+from kvstate.validate import check_float, check_int
 
 WORKLOADS = ("quality", "narrativeqa", "system_prompts", "chat")
+MAX_TRACE_LENGTH = 2**24  # 16.8M tokens: longer than any context; per-depth weights of it take 134 MB
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,10 @@ def generate(workload: str, n_requests: int, seed: int = 0, vocab: int = 128, sc
     """A request stream; ``scale`` multiplies every length (e.g. 1/16 for tiny-model benchmarks)."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; choose one of {list(WORKLOADS)}.")
-    if n_requests < 1:
-        raise ValueError(f"n_requests={n_requests} must be >= 1.")
-    if not 0 < scale <= 1:
-        raise ValueError(f"scale={scale} must be in (0, 1].")
+    check_int("n_requests", n_requests, 1, 10**7)
+    check_int("seed", seed, 0)
+    check_int("vocab", vocab, 2, 2**31 - 1)
+    check_float("scale", scale, 0.0, 1.0, lo_open=True)
     rng = np.random.default_rng(seed)
 
     def sz(lo: int, hi: int) -> int:
@@ -116,11 +121,13 @@ def overlap_weights(requests: Iterable[Request], prefix_id: str | None = None, l
     depths = [r.overlap for r in requests if prefix_id is None or r.prefix_id == prefix_id]
     if not depths:
         raise TraceFormatError(f"no requests for prefix_id {prefix_id!r} in the trace.")
+    if length is not None:
+        check_int("length", length, 0, MAX_TRACE_LENGTH)
+        if length < max(depths):
+            raise ValueError(f"length: {length} is below the deepest overlap {max(depths)} in the trace; pass "
+                             f"length >= {max(depths)} (or None for the deepest overlap)")
     n = length if length is not None else max(depths)
-    w = np.zeros(n + 1)
-    for t in depths:
-        w[min(t, n)] += 1.0
-    return w
+    return np.bincount(np.asarray(depths, dtype=np.int64), minlength=n + 1).astype(np.float64)
 
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
@@ -136,6 +143,7 @@ def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
                 if r.tokens is not None:
                     row["tokens"] = list(r.tokens)
                 f.write(json.dumps(row) + "\n")
+        normal_permissions(Path(tmp))  # mkstemp makes 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -145,14 +153,14 @@ def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
 def read_trace(path: str | Path) -> list[Request]:
     path = Path(path)
     if not path.is_file():
-        raise TraceFormatError(f"trace file {str(path)!r} does not exist.")
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise TraceFormatError(f"trace file {str(path)!r} {what}; pass a JSONL file.")
     out = []
-    with path.open() as f:
-        for no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            out.append(_parse(line, path, no))
+    for no, line in enumerate(read_text_input(path, "trace file").splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        out.append(_parse(line, path, no))
     if not out:
         raise TraceFormatError(f"trace file {str(path)!r} holds no requests.")
     return out
@@ -164,6 +172,8 @@ def _parse(line: str, path: Path, no: int) -> Request:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object.") from exc
+    except RecursionError:
+        raise TraceFormatError(f"{where}: JSON nested too deeply; each line must be one flat JSON object.") from None
     if not isinstance(row, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(row).__name__}.")
     tokens = row.get("tokens")
@@ -174,12 +184,14 @@ def _parse(line: str, path: Path, no: int) -> Request:
     length = row.get("length", len(tokens) if tokens is not None else None)
     overlap = row.get("overlap", 0)
     for name, v in (("length", length), ("overlap", overlap)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise TraceFormatError(f"{where}: {name!r} must be a non-negative int, got {v!r}.")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TRACE_LENGTH:
+            raise TraceFormatError(f"{where}: {name!r} must be a non-negative int (at most {MAX_TRACE_LENGTH:,} tokens), got {v!r}.")
     assert isinstance(length, int) and isinstance(overlap, int)
     if overlap > length:
         raise TraceFormatError(f"{where}: overlap {overlap} exceeds length {length}.")
     if tokens is not None and len(tokens) != length:
         raise TraceFormatError(f"{where}: 'length' {length} != len(tokens) {len(tokens)}.")
     pid = row.get("prefix_id")
+    if (pid is not None and not isinstance(pid, (str, int))) or isinstance(pid, bool):
+        raise TraceFormatError(f"{where}: 'prefix_id' must be a string, got {pid!r}.")
     return Request(tuple(tokens) if tokens is not None else None, None if pid is None else str(pid), overlap, length)

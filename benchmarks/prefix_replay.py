@@ -1,0 +1,127 @@
+"""Benchmark: replay the four workloads through SparsePrefixCache on models/ref-hybrid (CPU, one thread).
+
+For each workload trace (seeded, lengths scaled to keep the run short) and each planner: tokens reused
+by the engine vs the offline evaluation's prediction for the same trace, KV bytes held vs the KV of the
+distinct tokens in the tree, and R² of per-request wall-clock saved against tokens reused. Also the
+12-request example: three 1,024-token documents, four questions each, shuffled — where every
+document's third question resumes.
+
+Writes ``models/ref-hybrid/prefix_replay.json`` (read by the report's replay section) unless
+``--no-write``; prints a table, then one JSON line. Usage:
+``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--no-write]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvstate.models import load_model
+from kvstate.prefix.config import PrefixCacheConfig
+from kvstate.prefix.engine import SparsePrefixCache
+from kvstate.prefix.replay import replay
+from kvstate.workloads.traces import generate
+
+MODEL = Path("models/ref-hybrid")
+BUDGET = 1 << 30
+PLANNERS = ("optimal", "balanced")
+
+
+def twelve_requests(vocab: int, seed: int = 0) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Three 1,024-token documents, four short questions each, shuffled; returns prompts and document ids."""
+    rng = random.Random(seed)
+    docs = [tuple(rng.randrange(3, vocab) for _ in range(1024)) for _ in range(3)]
+    reqs = [
+        (d, docs[d] + tuple(rng.randrange(3, vocab) for _ in range(12))) for d in range(3) for _ in range(4)
+    ]
+    rng.shuffle(reqs)
+    return [r for _, r in reqs], [d for d, _ in reqs]
+
+
+def run_twelve(model, vocab: int) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    prompts, doc_ids = twelve_requests(vocab)
+    cache = SparsePrefixCache(model, PrefixCacheConfig(BUDGET, slots_per_entry=8))
+    seen: dict[int, int] = {}
+    third: dict[int, int] = {}
+    reused = []
+    for p, d in zip(prompts, doc_ids, strict=True):
+        res = cache.prefill(torch.tensor([p]))
+        reused.append(res.reused_tokens)
+        seen[d] = seen.get(d, 0) + 1
+        if seen[d] == 3:
+            third[d] = res.reused_tokens
+    m = cache.metrics
+    return {
+        "reused_per_request": reused,
+        "third_question_reused": [third[d] for d in sorted(third)],
+        "tokens_reused": m.tokens_reused,
+        "tokens_total": m.tokens_total,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--scale", type=float, default=0.125)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = load_model(MODEL)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    workloads = {
+        "quality": generate("quality", args.requests, seed=0, vocab=vocab, scale=args.scale),
+        "narrativeqa": generate(
+            "narrativeqa", max(20, args.requests // 4), seed=0, vocab=vocab, scale=args.scale / 2
+        ),
+        "system_prompts": generate("system_prompts", args.requests, seed=0, vocab=vocab, scale=args.scale),
+        "chat": generate("chat", args.requests, seed=0, vocab=vocab, scale=args.scale),
+    }
+    rows = []
+    print(
+        f"{'workload':>15} {'planner':>9} {'reqs':>5} {'reused':>8} {'predicted':>9} {'ratio':>6} "
+        f"{'KV held/distinct':>16} {'wall s':>7} {'no-cache s':>10} {'R2':>6}"
+    )
+    for name, reqs in workloads.items():
+        base: list[float] | None = None
+        for planner in PLANNERS:
+            r = replay(model, reqs, PrefixCacheConfig(BUDGET, 8, planner), baseline_s=base)
+            base = base or [x["wall_s_no_cache"] for x in r.per_request]
+            row = {"workload": name, **r.as_json()}
+            rows.append(row)
+            ratio = r.tokens_reused / r.predicted_reused if r.predicted_reused else float("nan")
+            kv_ratio = r.kv_bytes_held / r.kv_bytes_distinct if r.kv_bytes_distinct else float("nan")
+            print(
+                f"{name:>15} {planner:>9} {r.requests:>5} {r.tokens_reused:>8} {r.predicted_reused:>9} "
+                f"{ratio:>6.3f} {kv_ratio:>16.3f} {r.wall_s:>7.1f} {r.wall_s_no_cache:>10.1f} {r.saved_r2:>6.3f}",
+                flush=True,
+            )
+    twelve = run_twelve(model, vocab)
+    print(
+        f"12-request example: third question of each document reused {twelve['third_question_reused']} tokens"
+    )
+    out = {
+        "benchmark": "prefix_replay",
+        "model": str(MODEL),
+        "budget_bytes": BUDGET,
+        "scale": args.scale,
+        "command": "python benchmarks/prefix_replay.py",
+        "results": rows,
+        "twelve": twelve,
+    }
+    if not args.no_write:
+        path = MODEL / "prefix_replay.json"
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, path)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

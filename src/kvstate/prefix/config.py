@@ -1,0 +1,39 @@
+"""The prefix cache's one configuration (pure): budget, slots, planner, eviction policy, state device.
+
+Sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"); see
+``docs/techniques.md``. Validated on construction with messages naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstate.errors import BudgetError, KVStateError
+from kvstate.prefix.eviction import Policy
+from kvstate.prefix.placement import METHODS
+from kvstate.validate import check_float, check_int
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    budget_bytes: int  # one byte budget over attention KV, recurrent states and stored logits
+    slots_per_entry: int = 8  # planned recurrent checkpoints per request path (end states are extra)
+    planner: str = "optimal"  # a placement method of kvstate.prefix.placement
+    align: int | None = None  # checkpoint grid (None: the model's chunk size)
+    policy: str = "lru"  # eviction: "lru" or "utility"
+    alpha: float = 1.0  # utility policy weight of recompute FLOPs saved per byte
+    block_size: int = 64  # the "block" planner's spacing
+    state_device: str | None = None  # keep stored tensors here (e.g. "cpu" for a RAM tier); None: the model's
+
+    def __post_init__(self) -> None:
+        # type and range first: a NaN budget never evicts, a True slot count slips through int()
+        check_int("budget_bytes", self.budget_bytes, 1, error=BudgetError, hint="; pass the byte budget as an int")
+        check_int("slots_per_entry", self.slots_per_entry, 0, 2**20, error=BudgetError)
+        if self.planner not in METHODS:
+            raise KVStateError(f"planner={self.planner!r} is not one of {sorted(METHODS)}.")
+        if self.policy not in {p.value for p in Policy}:
+            raise KVStateError(f"policy={self.policy!r} is not one of {[p.value for p in Policy]}.")
+        if self.align is not None:
+            check_int("align", self.align, 1, 2**31 - 1, error=KVStateError, hint="; None uses the model's chunk size")
+        check_float("alpha", self.alpha, 0.0, 1e12, error=KVStateError)
+        check_int("block_size", self.block_size, 1, 2**31 - 1, error=KVStateError)
