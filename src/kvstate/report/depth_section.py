@@ -28,6 +28,7 @@ BASE, CONTROL, SPECIALIST, RCLA = "ref-attn", "ref-attn-norouting", "ref-attn-cl
 LABELS = {BASE: "base, sharing post hoc", CONTROL: "no-routing control (p=1)", SPECIALIST: "CLA2 specialist",
           RCLA: "R-CLA p=0.5", "ref-attn-rcla075": "R-CLA p=0.75"}
 CLA2 = "0_0_2_2"
+COLORS = dict(zip(LABELS, ("C0", "C1", "C2", "C3", "C4"), strict=True))  # one colour per model in every plot
 
 
 def load_results(models_dir: Path) -> dict[str, list[dict[str, Any]]]:
@@ -107,8 +108,8 @@ def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, rows in res.items():
         xs = [r["kv_bytes_per_token"] for r in rows]
-        axes[0].plot(xs, [r["score"] for r in rows], marker="o", label=LABELS[name])
-        axes[1].plot(xs, [r["ppl"] for r in rows], marker="o", label=LABELS[name])
+        axes[0].plot(xs, [r["score"] for r in rows], marker="o", color=COLORS[name], label=LABELS[name])
+        axes[1].plot(xs, [r["ppl"] for r in rows], marker="o", color=COLORS[name], label=LABELS[name])
     axes[0].set_ylabel("task score (needle tasks, 1K+2K)")
     axes[1].set_ylabel("perplexity (held-out text, 1K)")
     axes[1].set_yscale("log")
@@ -137,7 +138,8 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
         if not depth:
             continue
         curve = [c for c in state["curve"] if c["step"] > depth["start_step"]]
-        ax.plot([c["step"] - depth["start_step"] for c in curve], [c["loss"] for c in curve], marker=".", label=LABELS[name])
+        ax.plot([c["step"] - depth["start_step"] for c in curve], [c["loss"] for c in curve], marker=".",
+                color=COLORS[name], label=LABELS[name])
         drawn = True
     if not drawn:
         plt.close(fig)
