@@ -151,3 +151,15 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
     assert met["the CLA2 specialist degrades at patterns it was not trained for"] is True
     assert all(met[t] for t in met if t.startswith("KV bytes"))
     assert (tmp_path / "depth_quality_vs_kv.png").is_file()
+
+
+def test_cli_depth_train_writes_model_and_card(start, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    out = tmp_path / "cli-run"
+    r = CliRunner().invoke(app, ["depth", "train", "--model", str(start), "--out", str(out), "--p", "0.5",
+                                 "--tokens", "512", "--length", "64", "--set", "log_every=1", "--set", "bf16=false"])
+    assert r.exit_code == 0, r.output
+    assert load_state(out)["depth"]["p"] == 0.5 and "p = 0.5" in (out / "README.md").read_text()

@@ -55,6 +55,9 @@ def train_command(
         if distributed:
             dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
+        from kvstate.depth.card import write_card
+
+        write_card(out)  # the card with this run's learning curve (rewritten after kvstate depth eval --out)
         last = state["curve"][-1] if state["curve"] else {}
         Console().print(f"saved {out}: step {state['step']}, {state['tokens']:,} tokens, "
                         f"{state['seconds'] / 60:.1f} min, loss {last.get('loss')}, "
