@@ -186,6 +186,7 @@ def _register_model_commands() -> None:
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
     app.add_typer(__import__("kvstate.cli_prefix", fromlist=["app"]).app, name="prefix")
+    app.add_typer(__import__("kvstate.cli_depth", fromlist=["app"]).app, name="depth")
     app.add_typer(__import__("kvstate.cli_semantic", fromlist=["app"]).app, name="semantic")
 
 

@@ -1,1 +1,39 @@
-"""kvstate.depth"""
+"""kvstate.depth — cross-layer KV sharing and Random Cross-Layer Attention (Stochastic KV Routing).
+
+Pure patterns live in :mod:`kvstate.depth.patterns`; the torch glue (routed attention, the sharing
+cache, stochastic routing, training) loads lazily on first use, so the pure part runs without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstate.depth.patterns import (
+    LayerSpec,
+    PatternError,
+    SharingPattern,
+    cla,
+    for_keep,
+    format_pattern,
+    keep,
+    none,
+    parse_pattern,
+    top_shared,
+)
+
+_LAZY = {"apply_sharing": "sharing", "sharing_cache": "sharing", "kv_bytes": "sharing", "layer_specs": "attention",
+         "StochasticKVRouting": "routing", "DepthTrainConfig": "training", "depth_train": "training",
+         "evaluate_sharing": "evaluate"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"kvstate.depth.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'kvstate.depth' has no attribute {name!r}")
+
+
+__all__ = ["DepthTrainConfig", "LayerSpec", "PatternError", "SharingPattern", "StochasticKVRouting", "apply_sharing",
+           "cla", "depth_train", "evaluate_sharing", "for_keep", "format_pattern", "keep", "kv_bytes", "layer_specs",
+           "none", "parse_pattern", "sharing_cache", "top_shared"]

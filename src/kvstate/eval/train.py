@@ -23,7 +23,11 @@ model, the tokenizer, ``training_state.json`` (curriculum stage, step, learning 
 model (``init_from``): tensors whose names and shapes match are copied (embeddings, MLPs, norms,
 attention q/k/v/o) and the Gated DeltaNet output projections start at zero, so the hybrid starts from
 a working token representation instead of random residual noise.
-Ignored: data-parallel / multi-device training, mixed lengths within one batch.
+Under ``torchrun`` (a ``torch.distributed`` process group already initialised, gloo on CPU) the model
+is wrapped in DistributedDataParallel; rank ``r`` of ``w`` trains on the batches of data steps
+``step * w + r`` and rank 0 decides stopping and curriculum moves, broadcast so ranks stay in step;
+only rank 0 saves. ``context(model)`` (optional) wraps the whole loop, e.g. in stochastic KV routing.
+Ignored: mixed lengths within one batch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import json
 import math
 import time
 from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +47,7 @@ import torch
 import transformers as tf
 
 from kvstate.eval.init_from import init_from_model as _init_from
+from kvstate.eval.objective import _lr, answer_stats, weighted_loss
 from kvstate.eval.optim_io import load_optimizer as _load_optimizer
 from kvstate.eval.train_io import (
     OPTIM_FILE,
@@ -252,49 +259,17 @@ def make_batch(cfg: TrainConfig, length: int, step: int, tokenizer: Any) -> tupl
     return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(weights)), row_tasks
 
 
-def answer_stats(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 answer_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: (has an answer, greedy exact match of the whole answer, first answer token correct)."""
-    pred = logits[:, :-1].argmax(-1)  # (B, T-1): prediction of token t+1
-    ans = weights[:, 1:] >= answer_weight  # (B, T-1)
-    correct = (pred == ids[:, 1:]) | ~ans
-    first = ans.float().argmax(-1)  # index of the first answer position per row
-    first_ok = (pred == ids[:, 1:]).gather(1, first[:, None])[:, 0]
-    return ans.any(-1), correct.all(-1), first_ok
-
-
-def weighted_loss(ce: torch.Tensor, weights: torch.Tensor, cfg: TrainConfig) -> torch.Tensor:
-    """Answer and prompt cross-entropy mixed at a fixed share, so answers are not drowned at long lengths.
-
-    With ``answer_weight`` x10 alone, 8 answer tokens against 1,000 prose tokens are 7% of the loss at 1K
-    and the retrieval signal vanishes as the curriculum lengthens; ``answer_share`` keeps it constant.
-    """
-    if cfg.answer_share is None:
-        return (ce * weights).sum() / weights.sum()
-    ans, prompt = (weights >= cfg.answer_weight).float(), ((weights > 0) & (weights < cfg.answer_weight)).float()
-    a = (ce * ans).sum() / ans.sum().clamp(min=1.0)
-    p = (ce * prompt).sum() / prompt.sum().clamp(min=1.0)
-    return cfg.answer_share * a + (1 - cfg.answer_share) * p
-
-
-def _lr(cfg: TrainConfig, step: int, elapsed: float) -> float:
-    warm = min(1.0, (step + 1) / cfg.warmup_steps)
-    budget = cfg.minutes * 60
-    decay_start = budget * (1 - cfg.decay_fraction)
-    decay = 1.0 if elapsed < decay_start else max(0.1, 1 - 0.9 * (elapsed - decay_start) / (budget - decay_start))
-    return cfg.lr * warm * decay
-
-
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
           init_from: str | Path | None = None, progress: bool = True, log: Any = print,
-          overwrite: bool = False) -> dict[str, Any]:
+          overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
     """Train ``cfg.arch`` for ``cfg.minutes`` (or ``cfg.max_steps``) and save to ``out_dir``; returns the state.
 
     ``resume`` continues a saved run (model, optimizer, curriculum stage, step); ``init_from`` seeds a new
     hybrid from a trained attention model. The returned state holds the learning curve. An ``out_dir``
     that already holds files is refused unless ``overwrite`` (or it is the ``resume`` directory itself);
     it is replaced whole only when the run completes (:mod:`kvstate.eval.train_io`). A non-finite loss,
-    gradient or weight stops the run with :class:`TrainError` and saves nothing.
+    gradient or weight stops the run with :class:`TrainError` and saves nothing. ``context(model)`` wraps
+    the loop (hooks on the model, e.g. routing).
     """
     from tqdm.auto import tqdm
 
@@ -304,6 +279,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     same = resume is not None and Path(resume).resolve() == out.resolve()
     check_output_dir(out, overwrite=overwrite or same)  # before any work: refuse, or fail fast if unwritable
     torch.set_num_threads(cfg.threads)
+    dist = torch.distributed
+    ddp = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    progress, log = progress and rank == 0, log if rank == 0 else (lambda *_: None)
     tokenizer = build_tokenizer()
     if resume is not None:
         state = load_state(resume)
@@ -337,75 +316,89 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
     stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
     losses: list[float] = []
-    bar = tqdm(total=round(budget), unit="s", disable=not progress, mininterval=10, desc=f"train {cfg.arch}")
-    step = step0
-    while True:
-        elapsed = time.monotonic() - t_start
-        if elapsed >= budget or (cfg.max_steps is not None and step - step0 >= cfg.max_steps):
-            break
-        pick = np.random.default_rng([cfg.seed, step, 11])
-        shorter = length > cfg.start_length and pick.random() < cfg.shorter_share
-        step_len = cfg.start_length * 2 ** int(pick.integers(math.log2(length // cfg.start_length))) if shorter else length
-        ids, weights, row_tasks = make_batch(cfg, step_len, step, tokenizer)
-        for group in optimizer.param_groups:
-            group["lr"] = _lr(cfg, step - step0, elapsed)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            logits = model(input_ids=ids, use_cache=False).logits  # (B, T, V)
-        logits = logits.float()
-        ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
-        loss = weighted_loss(ce, weights[:, 1:], cfg)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        if not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))):
-            raise TrainError(f"training diverged at step {step}: loss {loss.item()}, gradient norm {grad_norm.item()} "
-                             f"(lr {cfg.lr:g}); nothing of this run was saved as a model (periodic saves, if any, are "
-                             f"in {str(partial_dir(out))!r}) — lower --set lr=... and train again")
-        optimizer.step()
-        has, exact, first = answer_stats(logits.detach(), ids, weights, cfg.answer_weight)
-        for r, task in enumerate(row_tasks):
-            if has[r] and not shorter:
-                windows[task].append(float(exact[r]))
-                first_windows[task].append(float(first[r]))
-        losses.append(loss.item())
-        step += 1
-        state["tokens"] += int(ids.numel())
-        now = time.monotonic()
-        bar.update(round(now - t_start) - bar.n)
-        em = {t: sum(w) / len(w) for t, w in windows.items() if w}
-        ft = {t: sum(w) / len(w) for t, w in first_windows.items() if w}
-        metric = ft if cfg.advance_metric == "first_token" else em
-        gate = [metric.get(t, 0.0) for t in GATE_TASKS]
-        full = all(len(windows[t]) >= cfg.window // 2 for t in GATE_TASKS)
-        if (step - step0) % cfg.log_every == 0:
-            point = {"step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
-                     "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
-                     "exact": {t: round(v, 3) for t, v in em.items()},
-                     "first_token": {t: round(v, 3) for t, v in ft.items()}}
-            state["curve"].append(point)
-            losses = []
-            bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
-            log(json.dumps(point))
-        patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
-        if length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience):
-            state["stages"].append({"length": length, "step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
-                                    "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS},
-                                    "first_token": {t: round(ft.get(t, 0.0), 3) for t in GATE_TASKS}})
-            log(f"advance: length {length} -> {2 * length} at step {step} ({state['stages'][-1]})")
-            length = min(2 * length, cfg.max_length)
-            stage_start = now
-            for w in (*windows.values(), *first_windows.values()):
-                w.clear()
-        state["step"], state["length"] = step, length
-        if now - last_save > cfg.save_every_min * 60:
-            save_run(model, tokenizer, optimizer, partial_dir(out), {**state, "seconds": state["seconds"] + now - t_start})
-            last_save = now
+    # non-owner layers of a routed pass leave their K/V projections unused: DDP must allow that
+    net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
+    scope = context(model) if context is not None else nullcontext()
+    with scope:
+        bar = tqdm(total=round(budget), unit="s", disable=not progress, mininterval=10, desc=f"train {cfg.arch}")
+        step = step0
+        while True:
+            elapsed = time.monotonic() - t_start
+            if _agreed(elapsed >= budget or (cfg.max_steps is not None and step - step0 >= cfg.max_steps), ddp):
+                break
+            pick = np.random.default_rng([cfg.seed, step, 11])
+            shorter = length > cfg.start_length and pick.random() < cfg.shorter_share
+            step_len = cfg.start_length * 2 ** int(pick.integers(math.log2(length // cfg.start_length))) if shorter else length
+            ids, weights, row_tasks = make_batch(cfg, step_len, step * world + rank, tokenizer)
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(cfg, step - step0, elapsed)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = net(input_ids=ids, use_cache=False).logits  # (B, T, V)
+            logits = logits.float()
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = weighted_loss(ce, weights[:, 1:], cfg)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))):
+                raise TrainError(f"training diverged at step {step}: loss {loss.item()}, gradient norm {grad_norm.item()} "
+                                 f"(lr {cfg.lr:g}); nothing of this run was saved as a model (periodic saves, if any, are "
+                                 f"in {str(partial_dir(out))!r}) — lower --set lr=... and train again")
+            optimizer.step()
+            has, exact, first = answer_stats(logits.detach(), ids, weights, cfg.answer_weight)
+            for r, task in enumerate(row_tasks):
+                if has[r] and not shorter:
+                    windows[task].append(float(exact[r]))
+                    first_windows[task].append(float(first[r]))
+            losses.append(loss.item())
+            step += 1
+            state["tokens"] += int(ids.numel()) * world
+            now = time.monotonic()
+            bar.update(round(now - t_start) - bar.n)
+            em = {t: sum(w) / len(w) for t, w in windows.items() if w}
+            ft = {t: sum(w) / len(w) for t, w in first_windows.items() if w}
+            metric = ft if cfg.advance_metric == "first_token" else em
+            gate = [metric.get(t, 0.0) for t in GATE_TASKS]
+            full = all(len(windows[t]) >= cfg.window // 2 for t in GATE_TASKS)
+            if (step - step0) % cfg.log_every == 0:
+                point = {"step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                         "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
+                         "exact": {t: round(v, 3) for t, v in em.items()},
+                         "first_token": {t: round(v, 3) for t, v in ft.items()}}
+                state["curve"].append(point)
+                losses = []
+                bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
+                log(json.dumps(point))
+            patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
+            if _agreed(length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience), ddp):
+                state["stages"].append({"length": length, "step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                                        "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS},
+                                        "first_token": {t: round(ft.get(t, 0.0), 3) for t in GATE_TASKS}})
+                log(f"advance: length {length} -> {2 * length} at step {step} ({state['stages'][-1]})")
+                length = min(2 * length, cfg.max_length)
+                stage_start = now
+                for w in (*windows.values(), *first_windows.values()):
+                    w.clear()
+            state["step"], state["length"] = step, length
+            if rank == 0 and now - last_save > cfg.save_every_min * 60:
+                save_run(model, tokenizer, optimizer, partial_dir(out), {**state, "seconds": state["seconds"] + now - t_start})
+                last_save = now
     bar.close()
     state["seconds"] += time.monotonic() - t_start
     model.eval()
-    save_run(model, tokenizer, optimizer, out, state)
-    drop_partial(out)
+    if rank == 0:
+        save_run(model, tokenizer, optimizer, out, state)
+        drop_partial(out)
     return state
+
+
+def _agreed(flag: bool, ddp: bool) -> bool:
+    """Rank 0's decision on every rank (a no-op without a process group)."""
+    if not ddp:
+        return flag
+    t = torch.tensor([float(flag)])
+    torch.distributed.broadcast(t, 0)
+    return bool(t.item())
 
 
 __all__ = ["ARCHS", "GATE_TASKS", "TASK_MIX", "TrainConfig", "TrainError", "load_state", "make_batch",

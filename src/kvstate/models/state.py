@@ -4,6 +4,7 @@ A :class:`CacheSnapshot` is a detached copy of a cache at one sequence position:
 :class:`AttentionState` (keys/values), a :class:`RecurrentState` (conv + recurrent state), both (hybrid
 layers), or nothing. Every part has ``nbytes``; attention parts slice to any shorter length. Restoring
 builds a fresh ``DynamicCache(config=...)`` and fills it through the layers' own update methods.
+A layer that reads another layer's KV (cross-layer sharing: a ``DummyLayer``) snapshots as empty and restores as one.
 
 transformers updates states in place, so we clone on snapshot *and* on restore: a snapshot is never
 aliased by a live cache. Seed 000 needs exactly this: dense attention KV for a whole prefix combined
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from kvstate.errors import KVStateError
 from kvstate.models.families import LayerKind, layer_kinds
@@ -131,6 +132,9 @@ def snapshot_cache(
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
         att: AttentionState | None = None
         recurrent: RecurrentState | None = None
+        if isinstance(layer, DummyLayer):  # a layer reading another's KV (cross-layer sharing): nothing to copy
+            layers.append(LayerSnapshot(kind))
+            continue
         if attention and kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             if not isinstance(layer, DynamicLayer) or layer.keys is None or not layer.is_initialized:
                 raise KVStateError(f"layer {i} ({kind}) holds no attention KV yet; run a forward pass before snapshotting.")
@@ -185,6 +189,9 @@ def restore_cache(
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
         if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             att = snapshot.layers[i].attention
+            if att is None and kind == LayerKind.ATTENTION:  # shared (cross-layer) layer: stays a DummyLayer
+                cache.layers[i] = DummyLayer()
+                continue
             assert att is not None
             part = att.sliced(length)
             # update() concatenates onto an empty cache, which copies: the snapshot stays unaliased

@@ -34,6 +34,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("prefix caching", prefix_section.build),
     ("prefix replay", __import__("kvstate.report.replay_section", fromlist=["build"]).build),
     ("reference models", eval_section.build),
+    ("depth", __import__("kvstate.report.depth_section", fromlist=["build"]).build),
     ("resolution", semantic_section.build),
 ]
 

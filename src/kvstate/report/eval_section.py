@@ -32,7 +32,14 @@ PAPER = "RULER: What's the Real Context Size of Your Long-Context Language Model
 def reference_dirs(models_dir: Path) -> list[Path]:
     if not models_dir.is_dir():
         return []
-    return sorted(p for p in models_dir.iterdir() if (p / "config.json").is_file() and (p / "tokenizer.json").is_file())
+    return sorted(p for p in models_dir.iterdir() if (p / "config.json").is_file() and (p / "tokenizer.json").is_file()
+                  and not _is_depth_run(p))
+
+
+def _is_depth_run(p: Path) -> bool:
+    """Fine-tunes of a reference model by ``kvstate depth train``: the depth section reports them."""
+    state = p / "training_state.json"
+    return state.is_file() and "depth" in json.loads(state.read_text())
 
 
 def curve_figure(dirs: list[Path], out_dir: Path) -> Figure | None:

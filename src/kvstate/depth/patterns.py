@@ -1,0 +1,284 @@
+"""Cross-layer KV sharing patterns (pure): which layer's keys/values each decoder layer attends to.
+
+A :class:`SharingPattern` maps every decoder layer to the layer whose K/V it reads; a layer that reads
+itself is an *owner* and the only kind that holds a cache. Presets follow "Reducing Transformer
+Key-Value Cache Size with Cross-Layer Attention" (CLA: groups of adjacent layers read the first's
+KV), Gemma 3n's KV sharing (the top layers read the last owner), and "Layer-Condensed KV Cache for
+Efficient Inference of Large Language Models" (the compact string ``"0_0_2_2"``). Random
+Cross-Layer Attention (R-CLA, "Stochastic KV Routing") trains one model so that any valid pattern
+works at deployment; :func:`keep` picks the pattern that keeps a given fraction of the caches.
+
+Rules (checked by :meth:`SharingPattern.validate`, each error names the layer and the rule): a layer
+reads a layer at or before it, that layer is an owner, of the same attention type (full vs sliding
+window) and the same KV shape; recurrent layers take no part (they read only themselves and nobody
+reads them). Pure: ints and tuples only. Ignored: sharing across batch rows, partial (per-head) sharing.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstate.errors import KVStateError
+
+RECURRENT = "recurrent"  # LayerSpec.kind of a layer with a recurrent state (never shared)
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+
+
+class PatternError(KVStateError):
+    """A sharing pattern that breaks a rule, or a preset that no pattern can realise."""
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a decoder layer's KV looks like, for the sharing rules."""
+
+    kind: str  # "full_attention", "sliding_attention" or "recurrent"
+    kv_heads: int = 0  # key/value heads (0 for recurrent layers)
+    head_dim: int = 0  # per-head dimension (0 for recurrent layers)
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*ATTENTION_KINDS, RECURRENT):
+            raise PatternError(f"LayerSpec.kind={self.kind!r} must be one of {', '.join((*ATTENTION_KINDS, RECURRENT))}")
+        if self.kind != RECURRENT and (self.kv_heads < 1 or self.head_dim < 1):
+            raise PatternError(f"LayerSpec: an attention layer needs kv_heads >= 1 and head_dim >= 1, got "
+                               f"{self.kv_heads} and {self.head_dim}")
+
+    @property
+    def is_attention(self) -> bool:
+        return self.kind != RECURRENT
+
+    @property
+    def group(self) -> tuple[str, int, int]:
+        """Layers may share only within one group: same attention type and KV shape."""
+        return (self.kind, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class SharingPattern:
+    """``sources[l]`` = the layer whose K/V layer ``l`` attends to (``l`` itself: an owner)."""
+
+    sources: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise PatternError("SharingPattern.sources is empty; give one source per decoder layer")
+        for layer, src in enumerate(self.sources):
+            if not isinstance(src, int) or isinstance(src, bool) or src < 0:
+                raise PatternError(f"layer {layer}: source {src!r} must be a layer index >= 0")
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """Layers that read their own K/V (recurrent layers included)."""
+        return tuple(i for i, s in enumerate(self.sources) if s == i)
+
+    def is_owner(self, layer: int) -> bool:
+        return self.sources[layer] == layer
+
+    def validate(self, layers: Sequence[LayerSpec]) -> SharingPattern:
+        """Raise :class:`PatternError` naming the first layer that breaks a rule; return ``self``."""
+        if len(self.sources) != len(layers):
+            raise PatternError(f"pattern {format_pattern(self)!r} has {len(self.sources)} layers but the model has "
+                               f"{len(layers)}; give one source per decoder layer")
+        for layer, src in enumerate(self.sources):
+            spec = layers[layer]
+            if not spec.is_attention:
+                if src != layer:
+                    raise PatternError(f"layer {layer} is recurrent and reads layer {src}: recurrent layers are "
+                                       "never shared; give it its own index")
+                continue
+            if src > layer:
+                raise PatternError(f"layer {layer} reads layer {src}, which comes after it: a layer may only read "
+                                   "itself or an earlier layer")
+            if src == layer:
+                continue
+            target = layers[src]
+            if not target.is_attention:
+                raise PatternError(f"layer {layer} reads layer {src}, which is recurrent: only attention layers "
+                                   "share K/V")
+            if self.sources[src] != src:
+                raise PatternError(f"layer {layer} reads layer {src}, which is not an owner (it reads layer "
+                                   f"{self.sources[src]}): point it at an owner")
+            if target.kind != spec.kind:
+                raise PatternError(f"layer {layer} ({spec.kind}) reads layer {src} ({target.kind}): sharing must "
+                                   "stay within one attention type")
+            if (target.kv_heads, target.head_dim) != (spec.kv_heads, spec.head_dim):
+                raise PatternError(f"layer {layer} (KV {spec.kv_heads}x{spec.head_dim}) reads layer {src} (KV "
+                                   f"{target.kv_heads}x{target.head_dim}): sharing needs the same KV shape")
+        return self
+
+
+def format_pattern(pattern: SharingPattern) -> str:
+    """The compact string of Layer-Condensed KV Cache: sources joined by ``_`` (``"0_0_2_2"``)."""
+    return "_".join(str(s) for s in pattern.sources)
+
+
+def parse_pattern(text: str) -> SharingPattern:
+    """Inverse of :func:`format_pattern`; raises :class:`PatternError` on anything else."""
+    parts = text.strip().split("_")
+    if not all(p.isdigit() for p in parts):
+        raise PatternError(f"pattern {text!r} is not of the form '0_0_2_2' (one source layer index per layer, "
+                           "joined by '_')")
+    return SharingPattern(tuple(int(p) for p in parts))
+
+
+def _attention_groups(layers: Sequence[LayerSpec]) -> list[list[int]]:
+    """Attention layer indices grouped by (type, KV shape), each group in layer order."""
+    groups: dict[tuple[str, int, int], list[int]] = {}
+    for i, spec in enumerate(layers):
+        if spec.is_attention:
+            groups.setdefault(spec.group, []).append(i)
+    return list(groups.values())
+
+
+def _from_owners(layers: Sequence[LayerSpec], owners: set[int]) -> SharingPattern:
+    """Every non-owner attention layer reads the nearest earlier owner of its group."""
+    sources = list(range(len(layers)))
+    for group in _attention_groups(layers):
+        last = None
+        for i in group:
+            if i in owners:
+                last = i
+            elif last is None:
+                raise PatternError(f"layer {i} has no earlier owner of its type and KV shape: the first layer of "
+                                   "each group must keep its cache")
+            else:
+                sources[i] = last
+    return SharingPattern(tuple(sources)).validate(layers)
+
+
+def none(layers: Sequence[LayerSpec]) -> SharingPattern:
+    """No sharing: every layer keeps its own cache."""
+    return SharingPattern(tuple(range(len(layers))))
+
+
+def cla(layers: Sequence[LayerSpec], k: int) -> SharingPattern:
+    """Cross-Layer Attention: within each group, runs of ``k`` adjacent layers read the first's K/V."""
+    if not isinstance(k, int) or k < 1:
+        raise PatternError(f"cla: k={k!r} must be an int >= 1 (k = 2 is CLA2)")
+    owners = {i for group in _attention_groups(layers) for j, i in enumerate(group) if j % k == 0}
+    return _from_owners(layers, owners)
+
+
+def top_shared(layers: Sequence[LayerSpec], n: int) -> SharingPattern:
+    """Gemma 3n style: the last ``n`` attention layers read the last owner of their group below them."""
+    attn = [i for i, spec in enumerate(layers) if spec.is_attention]
+    if not isinstance(n, int) or not 0 <= n < len(attn):
+        raise PatternError(f"top_shared: n={n!r} must be an int in [0, {len(attn) - 1}] (the model has "
+                           f"{len(attn)} attention layers and at least one keeps its cache)")
+    shared = set(attn[len(attn) - n:])
+    return _from_owners(layers, {i for i in attn if i not in shared})
+
+
+def _spread(count: int, owners: int) -> list[int]:
+    """``owners`` positions out of ``count`` spread evenly, the first always included."""
+    return sorted({(j * count) // owners for j in range(owners)})
+
+
+def keep(layers: Sequence[LayerSpec], fraction: float) -> SharingPattern:
+    """Keep ``fraction`` of the attention caches, owners spread evenly within each group.
+
+    The kept count ``fraction * attention layers`` must be a whole number and at least the number of
+    groups (each group's first layer has no earlier layer to read); owners are split over groups by
+    largest remainder, at least one each.
+    """
+    groups = _attention_groups(layers)
+    total = sum(len(g) for g in groups)
+    if total == 0:
+        raise PatternError("keep: the model has no attention layers to share")
+    kept = fraction * total
+    if not 0 < fraction <= 1 or not math.isclose(kept, round(kept), abs_tol=1e-6):
+        allowed = ", ".join(f"{m / total:g}" for m in range(len(groups), total + 1))
+        raise PatternError(f"keep: fraction {fraction!r} of {total} attention layers is not a whole number of "
+                           f"caches; choose one of {allowed}")
+    kept = round(kept)
+    if kept < len(groups):
+        raise PatternError(f"keep: fraction {fraction!r} keeps {kept} caches but the model has {len(groups)} groups "
+                           "of attention type and KV shape, each needing one; choose a fraction >= "
+                           f"{len(groups) / total:g}")
+    quotas = [1 + (kept - len(groups)) * (len(g) - 1) / max(1, total - len(groups)) for g in groups]
+    counts = [math.floor(q) for q in quotas]
+    order = sorted(range(len(groups)), key=lambda j: counts[j] - quotas[j])
+    for j in order[: kept - sum(counts)]:
+        counts[j] += 1
+    owners = {g[p] for g, c in zip(groups, counts, strict=True) for p in _spread(len(g), min(c, len(g)))}
+    return _from_owners(layers, owners)
+
+
+def kept_fraction(pattern: SharingPattern, layers: Sequence[LayerSpec]) -> float:
+    """Owners among the attention layers (1.0: no sharing)."""
+    attn = [i for i, spec in enumerate(layers) if spec.is_attention]
+    return sum(pattern.is_owner(i) for i in attn) / len(attn) if attn else 1.0
+
+
+def kv_bytes(pattern: SharingPattern, layers: Sequence[LayerSpec], dtype_bytes: int) -> int:
+    """Attention K/V bytes per token under ``pattern``: only owners hold a cache."""
+    pattern.validate(layers)
+    return sum(2 * layers[i].kv_heads * layers[i].head_dim * dtype_bytes
+               for i in pattern.owners if layers[i].is_attention)
+
+
+def draw_pattern(layers: Sequence[LayerSpec], p: float, rng: random.Random) -> SharingPattern:
+    """One Random Cross-Layer Attention draw: each attention layer, in order, keeps its own K/V with
+    probability ``p``, else reads a uniformly chosen earlier owner of its group (the first layer of a
+    group has none and always keeps its own). Always a valid pattern."""
+    if not 0.0 <= p <= 1.0:
+        raise PatternError(f"routing probability p={p!r} must lie in [0, 1] (1: every layer keeps its own K/V)")
+    sources = list(range(len(layers)))
+    for group in _attention_groups(layers):
+        owners: list[int] = []
+        for i in group:
+            if owners and rng.random() >= p:
+                sources[i] = owners[rng.randrange(len(owners))]
+            else:
+                owners.append(i)
+    return SharingPattern(tuple(sources))
+
+
+PRESETS = ("none", "cla", "top_shared", "keep")
+
+
+def preset(layers: Sequence[LayerSpec], kind: str, value: float = 0) -> SharingPattern:
+    """A preset by name: ``none``, ``cla`` (k), ``top_shared`` (n) or ``keep`` (fraction)."""
+    if kind == "none":
+        return none(layers)
+    if kind == "cla":
+        return cla(layers, int(value))
+    if kind == "top_shared":
+        return top_shared(layers, int(value))
+    if kind == "keep":
+        return keep(layers, float(value))
+    raise PatternError(f"unknown pattern kind {kind!r}; choose one of {', '.join(PRESETS)}")
+
+
+def for_keep(layers: Sequence[LayerSpec], kind: str, fraction: float) -> SharingPattern:
+    """The pattern of family ``kind`` (``keep``, ``cla`` or ``top_shared``) that keeps ``fraction`` of the caches."""
+    total = sum(spec.is_attention for spec in layers)
+    if kind == "keep":
+        return keep(layers, fraction)
+    if kind == "cla":
+        k = round(1 / fraction) if fraction > 0 else 0
+        if k < 1 or not math.isclose(k * fraction, 1.0, abs_tol=1e-6):
+            raise PatternError(f"cla: keep fraction {fraction!r} is not 1/k for a whole k; choose 1, 0.5, 0.25, ...")
+        pattern = cla(layers, k)
+    elif kind == "top_shared":
+        n = (1 - fraction) * total
+        if not math.isclose(n, round(n), abs_tol=1e-6) or not 0 <= round(n) < total:
+            raise PatternError(f"top_shared: keep fraction {fraction!r} of {total} attention layers is not a whole "
+                               "number of kept caches")
+        pattern = top_shared(layers, round(n))
+    else:
+        raise PatternError(f"unknown pattern kind {kind!r}; choose keep, cla or top_shared")
+    if not math.isclose(kept_fraction(pattern, layers), fraction, abs_tol=1e-6):
+        raise PatternError(f"{kind}: keep fraction {fraction!r} is not realisable on {total} attention layers "
+                           f"(the nearest {kind} pattern keeps {kept_fraction(pattern, layers):g})")
+    return pattern
+
+
+__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "cla", "draw_pattern",
+           "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none", "parse_pattern", "preset", "top_shared"]
