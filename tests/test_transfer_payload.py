@@ -27,6 +27,7 @@ def test_round_trip_keeps_every_field() -> None:
     assert (q.pair, q.n_tokens, q.token_hash, q.meta, q.version) == (p.pair, p.n_tokens, p.token_hash, p.meta, FORMAT_VERSION)
     assert set(q.tensors) == set(p.tensors)
     assert all(torch.equal(q.tensors[k], p.tensors[k]) and q.tensors[k].dtype == p.tensors[k].dtype for k in p.tensors)
+    assert q.to_bytes() == p.to_bytes()  # canonical: equal payloads, equal bytes (store keys, caching)
 
 
 def test_wrong_version_truncation_and_pair_are_named() -> None:

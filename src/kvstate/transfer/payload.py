@@ -7,7 +7,8 @@ the same way). Layout, big-endian::
     magic "KVSP" | version u16 | flags u16 | n_tokens u32 | pair fingerprint 32 B | token-ids hash 32 B
     | body length u64 | SHA-256 of (everything before it + body) 32 B | body (safetensors bytes)
 
-The body holds the per-layer code tensors and a string metadata map. Any mismatch — wrong magic or
+The body holds the per-layer code tensors and a string metadata map (canonical JSON in a uint8 tensor,
+so equal payloads serialise to equal bytes). Any mismatch — wrong magic or
 version, truncation, a flipped bit, a payload for another model pair or other tokens — raises
 :class:`PayloadError`, never a silently wrong cache. No pickle: safetensors only.
 """
@@ -30,6 +31,7 @@ MAGIC = b"KVSP"
 FORMAT_VERSION = 1
 _HEAD = struct.Struct(">4sHHI32s32sQ")  # everything the checksum follows
 HEADER_BYTES = _HEAD.size + 32
+META = "__meta__"  # body tensor holding the metadata (uint8 JSON)
 MAX_BODY_BYTES = 1 << 31  # 2 GiB: a larger length field is a corrupt header, not a payload
 
 
@@ -56,11 +58,13 @@ class Payload:
             raise PayloadError("Payload: pair and token_hash must be 32-byte SHA-256 digests")
         if not 0 <= self.n_tokens < 2**32:
             raise PayloadError(f"Payload: n_tokens={self.n_tokens} must be in [0, 2^32)")
-        if not self.tensors:
-            raise PayloadError("Payload: carries no tensors (an empty body is not a state)")
+        if not self.tensors or META in self.tensors:
+            raise PayloadError(f"Payload: needs at least one tensor, none named {META!r}")
 
     def to_bytes(self) -> bytes:
-        body = st_save({k: v.contiguous() for k, v in self.tensors.items()}, metadata=dict(self.meta))
+        # the metadata travels as a tensor of canonical JSON: safetensors' own metadata map has no fixed order
+        meta = torch.frombuffer(bytearray(json.dumps(self.meta, sort_keys=True).encode()), dtype=torch.uint8)
+        body = st_save({**{k: v.contiguous() for k, v in self.tensors.items()}, META: meta})
         head = _HEAD.pack(MAGIC, self.version, 0, self.n_tokens, self.pair, self.token_hash, len(body))
         return head + hashlib.sha256(head + body).digest() + body
 
@@ -86,8 +90,7 @@ class Payload:
             raise PayloadError("payload checksum mismatch: corrupted in transit or storage")
         try:
             tensors = st_load(body)
-            (n,) = struct.unpack_from("<Q", body)
-            meta = json.loads(body[8:8 + n]).get("__metadata__") or {}
+            meta = json.loads(tensors.pop(META).numpy().tobytes())
         except Exception as exc:  # a checksummed body that still does not parse: written by something else
             raise PayloadError(f"payload body is not valid safetensors: {exc}") from None
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
