@@ -203,3 +203,18 @@ def bench_command(
     console.print(table)
     if as_json:
         print(line)
+
+
+@app.command("card")
+def card_command(
+    model: Annotated[Path, typer.Option("--model", help="The fine-tuned consumer directory.")] = Path("models/ref-attn-ft"),
+    base: Annotated[Path, typer.Option("--base", help="The model it was fine-tuned from.")] = Path("models/ref-attn"),
+    bench: Annotated[Path | None, typer.Option("--bench", help="kvstate transfer bench JSON to quote.")] = None,
+    command: Annotated[str, typer.Option("--command", help="The fine-tune command, quoted in the card.")] = "",
+) -> None:
+    """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench)."""
+    from kvstate.report.html import atomic_write_text
+    from kvstate.transfer.card import consumer_card
+
+    atomic_write_text(model / "README.md", consumer_card(model, base, bench, command))
+    console.print(f"wrote {model / 'README.md'}")

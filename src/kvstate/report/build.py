@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from kvstate.report import eval_section, model_state, prefix_section
+from kvstate.report import eval_section, model_state, prefix_section, transfer_section
 from kvstate.report.html import Section, write_report
 
 SectionBuilder = Callable[[Path, Path], Section]
@@ -20,6 +20,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("model state", model_state.build),
     ("prefix caching", prefix_section.build),
     ("reference models", eval_section.build),
+    ("across models", transfer_section.build),
 ]
 
 
