@@ -210,11 +210,16 @@ def card_command(
     model: Annotated[Path, typer.Option("--model", help="The fine-tuned consumer directory.")] = Path("models/ref-attn-ft"),
     base: Annotated[Path, typer.Option("--base", help="The model it was fine-tuned from.")] = Path("models/ref-attn"),
     bench: Annotated[Path | None, typer.Option("--bench", help="kvstate transfer bench JSON to quote.")] = None,
-    command: Annotated[str, typer.Option("--command", help="The fine-tune command, quoted in the card.")] = "",
+    command: Annotated[str, typer.Option("--command", help="The fine-tune / calibrate command, quoted in the card.")] = "",
+    codec_dir: Annotated[Path | None, typer.Option("--codec", help="Write CODEC/README.md instead (from its manifest).")] = None,
 ) -> None:
-    """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench)."""
+    """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench), or a codec's card."""
     from kvstate.report.html import atomic_write_text
-    from kvstate.transfer.card import consumer_card
+    from kvstate.transfer.card import codec_card, consumer_card
 
+    if codec_dir is not None:
+        atomic_write_text(codec_dir / "README.md", codec_card(codec_dir, command))
+        console.print(f"wrote {codec_dir / 'README.md'}")
+        return
     atomic_write_text(model / "README.md", consumer_card(model, base, bench, command))
     console.print(f"wrote {model / 'README.md'}")

@@ -153,7 +153,7 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
     codec = Codec(CodecConfig(cfg.rank_k, cfg.rank_v, cfg.rank_h, (), cfg.bits), g, model_fingerprint(producer),
                   model_fingerprint(consumer), t)
     info = measure(codec, producer, consumer, hold, cfg.suffix, tick)
-    gain = [max(0.0, r - p) for r, p in zip(info["impact_reuse"], info["impact_patch"], strict=True)]
+    gain = [round(max(0.0, r - p), 6) for r, p in zip(info["impact_reuse"], info["impact_patch"], strict=True)]
     patch = select_patch_layers(gain, None if cfg.patch is None else min(cfg.patch, g.n_layers))
     info.update(patch_gain=gain, config=asdict(cfg), fit_prefixes=len(fit), holdout_prefixes=len(hold),
                 tokens=int(sum(p.shape[1] for p in fit)))
