@@ -161,7 +161,9 @@ def _register_model_commands() -> None:
 
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
-    from kvstate.cli_transfer import app as transfer_app; app.add_typer(transfer_app, name="transfer")  # noqa: E702
+    from kvstate.cli_transfer import app as transfer_app
+
+    app.add_typer(transfer_app, name="transfer")
 
 
 _register_model_commands()

@@ -185,7 +185,8 @@ def measure(codec: Codec, producer: Any, consumer: Any, prompts: Sequence[torch.
         rows["patch_err_k"].append([relative_error(pk[i], ck[i]) for i in range(n)])
         rows["patch_err_v"].append([relative_error(pv[i], cv[i]) for i in range(n)])
 
-        def kl_with(keys: list[torch.Tensor], values: list[torch.Tensor]) -> float:
+        def kl_with(keys: list[torch.Tensor], values: list[torch.Tensor], ref: torch.Tensor = ref,
+                    ids: torch.Tensor = ids, cut: int = cut) -> float:
             return _kl(ref, continue_logits(consumer, build_cache(consumer, keys, values), ids, cut))
 
         for name, (sk, sv) in (("impact_raw", (ps.k, ps.v)), ("impact_reuse", (rk, rv)), ("impact_patch", (pk, pv))):

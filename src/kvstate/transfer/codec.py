@@ -32,7 +32,14 @@ from safetensors.torch import load_file, save_file
 from kvstate.errors import KVStateError
 from kvstate.transfer.payload import Payload, PayloadError, ids_hash
 from kvstate.transfer.quant import dequantize_codes, quantize_codes
-from kvstate.transfer.states import Geometry, build_cache, capture_inputs, geometry, model_fingerprint, project_kv
+from kvstate.transfer.states import (
+    Geometry,
+    build_cache,
+    capture_inputs,
+    geometry,
+    model_fingerprint,
+    project_kv,
+)
 
 CODEC_VERSION = 1
 MANIFEST, WEIGHTS = "manifest.json", "codec.safetensors"

@@ -102,10 +102,10 @@ class Payload:
         if self.pair != pair:
             raise PayloadError(f"payload is for model pair {self.pair.hex()[:12]}…, this codec/consumer is "
                                f"{pair.hex()[:12]}…; use the codec calibrated for this producer and consumer")
-        if token_ids is not None:
-            if len(token_ids) < self.n_tokens or ids_hash(list(token_ids)[: self.n_tokens]) != self.token_hash:
-                raise PayloadError(f"payload encodes other tokens than the prompt's first {self.n_tokens}; "
-                                   "request a payload for this prompt")
+        if token_ids is not None and (
+                len(token_ids) < self.n_tokens or ids_hash(list(token_ids)[: self.n_tokens]) != self.token_hash):
+            raise PayloadError(f"payload encodes other tokens than the prompt's first {self.n_tokens}; "
+                               "request a payload for this prompt")
 
     def tensor(self, name: str, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A body tensor, checked for presence, shape and dtype (raises :class:`PayloadError`)."""

@@ -14,6 +14,7 @@ connection. Ignored: TLS, authentication, request multiplexing on one connection
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import struct
 import threading
@@ -118,14 +119,12 @@ async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.S
             await write_frame(writer, json.dumps(head).encode(), cfg.timeout_s)
             await write_frame(writer, data, cfg.timeout_s)
             service.served += 1
-    except (ConnectionError, TimeoutError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+    except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
         return  # a stalled or vanished client loses only its own connection
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
 
 
 async def start_server(service: ProducerService, cfg: ServerConfig) -> asyncio.Server:
@@ -190,7 +189,7 @@ async def _request(host: str, port: int, reqs: Sequence[dict[str, Any]], timeout
                    max_payload: int) -> list[tuple[dict[str, Any], bytes | None]]:
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError) as exc:
         raise TransportError(f"cannot reach the producer at {host}:{port}: {exc or 'timed out'}; "
                              "start one with `kvstate transfer serve`") from None
     out = []
@@ -203,14 +202,12 @@ async def _request(host: str, port: int, reqs: Sequence[dict[str, Any]], timeout
                                      f"{head.get('error') if isinstance(head, dict) else head}")
             body = await read_frame(reader, max_payload, timeout) if req.get("op") == "encode" else None
             out.append((head, body))
-    except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, json.JSONDecodeError) as exc:
         raise TransportError(f"connection to the producer at {host}:{port} failed: {exc!r}") from None
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
-        except (ConnectionError, OSError):
-            pass
     return out
 
 
