@@ -43,3 +43,23 @@ def test_missing_bench_names_the_command(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     sec = build(tmp_path / "out", tmp_path)
     assert "kvstate transfer bench" in sec.intro and sec.headline[0].met is None
+
+
+def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
+    import torch
+
+    from kvstate.models.tiny import tiny_model
+    from kvstate.transfer.card import consumer_card
+
+    cfg = {"max_length": 1024, "lr": 0.002, "warmup_steps": 30, "decay_fraction": 0.15, "answer_share": 0.6,
+           "task_mix": {"niah_multivalue": 3, "qa": 2}}
+    point = {"step": 12, "minutes": 1.5, "loss": 1.25, "exact": {"niah_single": 1.0}, "first_token": {"niah_multivalue": 0.5}}
+    for name, seed, state in (("base", 0, {"step": 10, "tokens": 100, "seconds": 60.0, "curve": [], "config": cfg}),
+                              ("ft", 1, {"step": 14, "tokens": 1_000_100, "seconds": 180.0, "curve": [point], "config": cfg})):
+        tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
+        (tmp_path / name / "training_state.json").write_text(json.dumps(state))
+    _write(tmp_path / "m", _bench(0.78, 200.0, 10.0))
+    card = consumer_card(tmp_path / "ft", tmp_path / "base", tmp_path / "m" / CODEC / "bench.json", "kvstate train ...")
+    assert "4 steps, 1.00 M tokens, 2.0 min" in card and "| 12 | 1.5 | 1.250 | 1.00 |" in card
+    assert "| **mean score** | **0.800** | **0.500** |" in card and "kvstate train ..." in card
+    assert "| attention q/k/v/o |" in card and torch.get_num_threads() >= 1
