@@ -71,6 +71,19 @@ def test_full_rank_reuse_reproduces_producer_kv(producer: torch.nn.Module, self_
         assert torch.allclose(values[i], ref.v[i], atol=1e-4, rtol=1e-4)
 
 
+def test_full_rank_pca_reuse_ships_the_producer_kv_to_another_consumer(pair: tuple) -> None:
+    p, c, _ = pair
+    cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=8, bits=32, prefixes=4, length=48, suffix=8,
+                            aligner_steps=0, reuse_map="pca")
+    codec = calibrate_on(p, c, _prompts(4), cfg)
+    ids = _prompts(1, 24, seed=18)[0]
+    ref = prefill_states(p, ids)
+    keys, values = codec.decode_layers(c, codec.encode(p, ids, patch=()))
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(keys + values, ref.k + ref.v, strict=True))
+    with pytest.raises(CodecError, match="reuse_map"):
+        CalibrationConfig(reuse_map="other")
+
+
 def test_patch_at_every_layer_equals_the_consumer_oracle(producer: torch.nn.Module, self_codec: Codec) -> None:
     ids = _prompts(1, 40, seed=10)[0]
     oracle = prefill_states(producer, ids).logits[30:]

@@ -64,3 +64,15 @@ def test_auto_patch_choice_is_the_smallest_set_leaving_at_most_keep(ints: list[i
                    if total - sum(impact[i] for i in s) <= keep * total)
     assert len(got) == smallest and got == sorted(got)
     assert select_patch_layers(impact, len(impact)) == list(range(len(impact)))
+
+
+def test_pca_map_is_the_producer_subspace() -> None:
+    from kvstate.transfer.lowrank import fit_pca, truncate
+
+    x, _ = _data(3)
+    full = fit_pca(x, 12)
+    assert np.allclose(full.decode(full.encode(x)), x, atol=1e-3 * np.abs(x).max())
+    errs = [relative_error(truncate(full, r).decode(truncate(full, r).encode(x)), x) for r in (2, 6, 12)]
+    svals = np.linalg.svd(x - x.mean(0), compute_uv=False)
+    expect = [np.sqrt((svals[r:] ** 2).sum()) / np.linalg.norm(x) for r in (2, 6, 12)]  # Eckart-Young
+    assert np.allclose(errs, expect, atol=1e-4)

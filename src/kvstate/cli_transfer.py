@@ -50,6 +50,8 @@ def calibrate_command(
     rank_h: Annotated[int, typer.Option("--rank-h", help="H_in code channels per PATCH layer.")] = 64,
     patch: Annotated[str, typer.Option("--patch", help="PATCH layers: 'auto' or a count k.")] = "auto",
     bits: Annotated[int, typer.Option("--bits", help="Code precision on the wire: 8, 4, 16 or 32.")] = 8,
+    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'regress' (producer -> consumer) or "
+                                           "'pca' (the producer's principal subspace).")] = "regress",
     seed: Annotated[int, typer.Option("--seed", help="Calibration data stream.")] = 7919,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
 ) -> None:
@@ -61,7 +63,7 @@ def calibrate_command(
 
     _threads(threads)
     cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
-                            prefixes=prefixes, length=length, seed=seed)
+                            prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map)
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
     prompts = calibration_prompts(tok, cfg)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
-from kvstate.transfer.lowrank import fit_low_rank, relative_error, select_patch_layers
+from kvstate.transfer.lowrank import fit_low_rank, fit_pca, relative_error, select_patch_layers
 from kvstate.transfer.states import build_cache, continue_logits, geometry, model_fingerprint, prefill_states
 
 CALIBRATION_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "qa", "vt", "text")
@@ -44,6 +44,10 @@ class CalibrationConfig:
     aligner_steps: int = 300
     aligner_lr: float = 3e-3
     ridge: float = 1e-6
+    # REUSE maps: "regress" = reduced-rank regression producer -> consumer; "pca" = the producer's principal
+    # subspace decoded back into its own space (measured here: the regression, even at full rank and fp32,
+    # blurs the rare-token keys / values that needle retrieval reads; the PCA code keeps them)
+    reuse_map: str = "regress"
 
     def __post_init__(self) -> None:
         if self.prefixes < 4:
@@ -54,6 +58,8 @@ class CalibrationConfig:
             raise CodecError(f"CalibrationConfig: need 2 <= suffix ({self.suffix}) < length ({self.length})")
         if self.aligner_hidden < 1 or self.aligner_steps < 0 or not self.aligner_lr > 0:
             raise CodecError("CalibrationConfig: aligner_hidden >= 1, aligner_steps >= 0, aligner_lr > 0")
+        if self.reuse_map not in ("regress", "pca"):
+            raise CodecError(f"CalibrationConfig.reuse_map={self.reuse_map!r} must be 'regress' or 'pca'")
         CodecConfig(self.rank_k, self.rank_v, self.rank_h, (), self.bits)
 
 
@@ -137,7 +143,8 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
     for i in range(g.n_layers):
         for name, rank in (("k", cfg.rank_k), ("v", cfg.rank_v)):
             xp, xc = torch.cat(acc[name + "p"][i]).numpy(), torch.cat(acc[name + "c"][i]).numpy()  # (N, H, D)
-            maps = [fit_low_rank(xp[:, h], xc[:, h], rank, cfg.ridge) for h in range(g.n_kv_heads)]
+            maps = [fit_low_rank(xp[:, h], xc[:, h], rank, cfg.ridge) if cfg.reuse_map == "regress"
+                    else fit_pca(xp[:, h], rank) for h in range(g.n_kv_heads)]
             for part in ("encoder", "decoder", "mean_in", "mean_out"):
                 key = {"encoder": "enc", "decoder": "dec", "mean_in": "mu_in", "mean_out": "mu_out"}[part]
                 t[f"{name}.{i}.{key}"] = torch.from_numpy(np.stack([getattr(m, part) for m in maps]))

@@ -7,7 +7,9 @@ Patching* (see ``docs/techniques.md#across-models``): from paired states ``X`` (
 least-squares map ``W`` from ``X`` to ``Y``, truncated to the top-``r`` right singular directions of the
 fitted ``X W`` — the rank-``r`` map with the smallest squared error on the calibration set, which is
 the joint decomposition of both models' states. At full rank it is ``W`` itself (the identity when
-both models are the same). Ignored: weighting tokens, non-linear encoders (the PATCH aligner is the
+both models are the same). :func:`fit_pca` is the regression-free alternative: the producer's own
+principal subspace, decoded back into the producer's space. The code channels are ordered, so a rank-``r`` map is the first ``r``
+channels of any larger one (:func:`truncate`). Ignored: weighting tokens, non-linear encoders (the PATCH aligner is the
 non-linear part).
 """
 
@@ -62,13 +64,30 @@ def fit_low_rank(x: npt.ArrayLike, y: npt.ArrayLike, rank: int, ridge: float = 1
     cov = xc.T @ xc
     lam = ridge * max(float(np.trace(cov)) / cov.shape[0], 1e-12)
     w = np.linalg.solve(cov + lam * np.eye(cov.shape[0]), xc.T @ yc)  # (d_in, d_out)
-    if rank == ya.shape[1]:
-        enc, dec = w, np.eye(rank)
-    else:
-        _, _, vt = np.linalg.svd(xc @ w, full_matrices=False)
-        vr = vt[:rank].T  # (d_out, r): the fitted outputs' top directions
-        enc, dec = w @ vr, vr.T
+    # (d_out, r): the fitted outputs' top directions; ordered, so a rank-r map is a prefix of a larger one
+    vr = np.linalg.svd(xc @ w, full_matrices=False)[2][:rank].T
+    enc, dec = w @ vr, vr.T
     return LowRankMap(enc.astype(np.float32), dec.astype(np.float32), mx.astype(np.float32), my.astype(np.float32))
+
+
+def fit_pca(x: npt.ArrayLike, rank: int) -> LowRankMap:
+    """The producer's own principal subspace: code = top-``rank`` principal components of ``x`` (N, d), decoded
+    back into the same space (no cross-model regression; at full rank the identity)."""
+    xa = np.asarray(x, dtype=np.float64)
+    if xa.ndim != 2 or xa.shape[0] < 2:
+        raise ValueError(f"fit_pca: x {xa.shape} must be an (N >= 2, d) array")
+    if not 1 <= rank <= xa.shape[1]:
+        raise ValueError(f"fit_pca: rank={rank} must be in [1, {xa.shape[1]}] (the state width)")
+    mx = xa.mean(0)
+    u = np.linalg.svd(xa - mx, full_matrices=False)[2][:rank].T  # (d, r)
+    return LowRankMap(u.astype(np.float32), u.T.copy().astype(np.float32), mx.astype(np.float32), mx.astype(np.float32))
+
+
+def truncate(m: LowRankMap, rank: int) -> LowRankMap:
+    """The rank-``rank`` map contained in ``m`` (its first code channels)."""
+    if not 1 <= rank <= m.rank:
+        raise ValueError(f"truncate: rank={rank} must be in [1, {m.rank}]")
+    return LowRankMap(m.encoder[:, :rank].copy(), m.decoder[:rank].copy(), m.mean_in, m.mean_out)
 
 
 def relative_error(pred: npt.ArrayLike, target: npt.ArrayLike) -> float:
