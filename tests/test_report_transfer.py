@@ -32,7 +32,7 @@ def test_targets_met_and_missed_follow_the_numbers(tmp_path: Path) -> None:
     _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0))
     sec = build(tmp_path / "out", tmp_path / "m")
     assert [h.met for h in sec.headline] == [True, True, True, True]
-    assert "5.00x" in sec.headline[1].measured and "10.2x" in sec.headline[2].measured
+    assert "5.00x" in sec.headline[1].measured and "10.24x" in sec.headline[2].measured
     assert (tmp_path / "out" / "transfer_pareto.png").stat().st_size > 0
     _write(tmp_path / "m", _bench(scd_score=0.70, scd_bytes=300.0, scd_ms=30.0))
     sec = build(tmp_path / "out", tmp_path / "m")

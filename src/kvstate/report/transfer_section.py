@@ -47,7 +47,7 @@ def targets(bench: dict[str, Any]) -> list[HeadlineRow]:
                     f"{speedup:.2f}x at {balance_gbit:.3g} Gbit/s ({o['consumer_ms']:.1f} ms vs "
                     f"2 x {s['consumer_ms']:.1f} ms)", bool(speedup >= 2)),
         HeadlineRow(TECHNIQUE, "payload >= 8x smaller than fp16 raw KV",
-                    f"{shrink:.1f}x ({bpt:.0f} vs {bench['fp16_raw_kv_bytes_per_token']} B/token)", bool(shrink >= 8)),
+                    f"{shrink:.2f}x ({bpt:.0f} vs {bench['fp16_raw_kv_bytes_per_token']} B/token)", bool(shrink >= 8)),
         HeadlineRow(TECHNIQUE, "raw reuse and 4-bit KV shown with their measured quality",
                     f"raw {raw['score']:.3f} / ppl {raw['ppl']:.2f}, 4-bit {q4['score']:.3f} / ppl {q4['ppl']:.2f}, "
                     f"oracle {o['score']:.3f} / ppl {o['ppl']:.2f}", True),

@@ -102,7 +102,7 @@ def _train(z: torch.Tensor, resid: torch.Tensor, cfg: CalibrationConfig, seed: i
         idx = tr[torch.randint(0, len(tr), (min(1024, len(tr)),), generator=gen)]
         loss = torch.nn.functional.mse_loss(mlp(zn[idx]), resid[idx])
         opt.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
     with torch.no_grad():
         before = float(resid[val].pow(2).mean())

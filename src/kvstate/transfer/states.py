@@ -96,7 +96,8 @@ def capture_inputs(model: Any, which: str = "attn") -> Iterator[dict[int, torch.
 def rotary(model: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (1, T, head_dim), of the model's rotary embedding at ``positions`` (T,)."""
     probe = torch.zeros(1, 1, dtype=next(model.parameters()).dtype)
-    return model.model.rotary_emb(probe, positions[None])
+    cos, sin = model.model.rotary_emb(probe, positions[None])
+    return torch.as_tensor(cos), torch.as_tensor(sin)
 
 
 def apply_rotary(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -160,4 +161,4 @@ def continue_logits(model: Any, cache: Any, input_ids: torch.Tensor, start: int)
     t = input_ids.shape[1]
     out = model(input_ids=input_ids[:, start:], position_ids=torch.arange(start, t)[None], cache=cache,
                 use_cache=True)
-    return out.logits[0].float()
+    return torch.as_tensor(out.logits[0]).float()
