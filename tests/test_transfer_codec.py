@@ -141,6 +141,18 @@ def test_mismatched_pair_and_bad_config_raise(producer: torch.nn.Module, self_co
         CodecConfig(4, 4, 4, (7,)).check(codec.geometry)
 
 
+def test_truncated_codec_is_the_lower_rank_fit(pair: tuple) -> None:
+    p, c, _ = pair
+    kw = {"rank_h": 8, "bits": 32, "prefixes": 4, "length": 48, "suffix": 8, "aligner_steps": 0, "patch": 0}
+    big = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=8, rank_v=12, **kw))
+    small = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=3, rank_v=5, **kw))
+    cut = big.truncated(3, 5)
+    for name in ("k.1.enc", "k.1.dec", "v.0.enc", "v.0.dec"):
+        assert torch.allclose(cut.tensors[name], small.tensors[name], atol=1e-4)
+    with pytest.raises(CodecError, match="ranks"):
+        big.truncated(9, 1)
+
+
 def test_save_load_round_trip(tmp_path, pair: tuple) -> None:  # type: ignore[no-untyped-def]
     p, c, codec = pair
     codec.save(tmp_path / "codec")

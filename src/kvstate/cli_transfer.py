@@ -187,7 +187,7 @@ def bench_command(
     c, _ = load_reference(consumer)
     L = codec.geometry.n_layers
     total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + \
-        ((L + 1) * (1 + ppl_n) if ablation_n else 0)
+        ((L + 1) * (1 + ppl_n) + 4 if ablation_n else 0)
     with tqdm(total=total, desc="bench", unit="ex") as bar:
         result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.set_postfix_str(s), bar.update(1)))
     result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir))

@@ -104,6 +104,11 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         sec.tables.append(Table("PATCH budget k (layers by calibrated gain)", ["k", "layers", "score", "ppl", "B/token"],
                                 [[a["k"], str(a["layers"]), a["score"], a["ppl"], a["payload_bytes_per_token"]]
                                  for a in bench["ablation_patch"]]))
+    if bench.get("ablation_rank"):
+        sec.tables.append(Table("Key rank vs value rank (REUSE at every layer, codec truncated)",
+                                ["rank K", "rank V", "score", "B/token"],
+                                [[a["rank_k"], a["rank_v"], a["score"], a["payload_bytes_per_token"]]
+                                 for a in bench["ablation_rank"]]))
     d = bench.get("drift") or {}
     if d.get("raw_drift_k"):
         sec.tables.append(Table("Per layer, held-out calibration prefixes (relative error; KL = consumer next-token "

@@ -178,6 +178,7 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
                                                      "impact_patch", "amplification", "kl_all_layers")}}
     if cfg.ablation_n:
         out["ablation_patch"] = _patch_ablation(producer, consumer, tokenizer, codec, cfg, tick)
+        out["ablation_rank"] = _rank_ablation(producer, consumer, tokenizer, codec, cfg, tick)
     return out
 
 
@@ -224,28 +225,49 @@ def _loopback(producer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, De
     return out
 
 
+def _task_pass(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, layers: Sequence[int] | None,
+               cfg: BenchConfig) -> tuple[float, float]:
+    """(mean score, payload bytes per token) of ``codec`` with PATCH ``layers`` on the ablation examples."""
+    from kvstate.workloads.tasks import generate
+
+    enc = lambda ids: codec.encode(producer, ids, patch=layers, check=False)  # noqa: E731
+    dec = lambda pl, ids: codec.decode(consumer, pl, ids, check=False)  # noqa: E731
+    scores, nbytes, ntok = [], 0, 0
+    for task in cfg.tasks:
+        for ex in generate(task, cfg.lengths[0], cfg.ablation_n, cfg.seed, tokenizer):
+            ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
+            budget = len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
+            cache, b, _ = _transfer(enc, dec, ids)
+            new, _ = _greedy(consumer, tokenizer.eos_token_id, ids, cache, ids.shape[1] - 1, budget)
+            scores.append(score(ex, tokenizer.decode(new, skip_special_tokens=True)))
+            nbytes, ntok = nbytes + b, ntok + ids.shape[1] - 1
+    return sum(scores) / len(scores), nbytes / ntok
+
+
+def _rank_ablation(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
+                   tick: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Key rank vs value rank: the codec truncated to half its key or value rank (REUSE at every layer)."""
+    rk, rv = codec.config.rank_k, codec.config.rank_v
+    out = []
+    for k, v in dict.fromkeys([(rk, rv), (max(1, rk // 2), rv), (rk, max(1, rv // 2)), (max(1, rk // 2), max(1, rv // 2))]):
+        s, bpt = _task_pass(producer, consumer, tokenizer, codec.truncated(k, v), (), cfg)
+        out.append({"rank_k": k, "rank_v": v, "score": round(s, 4), "payload_bytes_per_token": round(bpt, 2)})
+        tick("ablation")
+    return out
+
+
 def _patch_ablation(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
                     tick: Callable[[str], None]) -> list[dict[str, Any]]:
     """Score, perplexity and payload size for PATCH budgets k = 0..L (layers by calibrated patch gain)."""
-    from kvstate.workloads.tasks import generate
-
     gain = codec.info.get("patch_gain") or [0.0] * codec.geometry.n_layers
     out = []
     for k in range(codec.geometry.n_layers + 1):
         layers = select_patch_layers(gain, k)
+        s, bpt = _task_pass(producer, consumer, tokenizer, codec, layers, cfg)
         enc = lambda ids, lay=layers: codec.encode(producer, ids, patch=lay, check=False)  # noqa: E731
         dec = lambda pl, ids: codec.decode(consumer, pl, ids, check=False)  # noqa: E731
-        scores, nbytes, ntok = [], 0, 0
-        for task in cfg.tasks:
-            for ex in generate(task, cfg.lengths[0], cfg.ablation_n, cfg.seed, tokenizer):
-                ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
-                budget = len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
-                cache, b, _ = _transfer(enc, dec, ids)
-                new, _ = _greedy(consumer, tokenizer.eos_token_id, ids, cache, ids.shape[1] - 1, budget)
-                scores.append(score(ex, tokenizer.decode(new, skip_special_tokens=True)))
-                nbytes, ntok = nbytes + b, ntok + ids.shape[1] - 1
         ppl = _perplexities(consumer, tokenizer, {"scd": (enc, dec)}, cfg, tick, only=("scd",))["scd"]
-        out.append({"k": k, "layers": layers, "score": round(sum(scores) / len(scores), 4), "ppl": round(ppl, 4),
-                    "payload_bytes_per_token": round(nbytes / ntok, 2)})
+        out.append({"k": k, "layers": layers, "score": round(s, 4), "ppl": round(ppl, 4),
+                    "payload_bytes_per_token": round(bpt, 2)})
         tick("ablation")
     return out

@@ -122,6 +122,21 @@ class Codec:
                     self.config.bits).check(self.geometry)
         return "".join(PATCH if i in layers else REUSE for i in range(self.geometry.n_layers))
 
+    def truncated(self, rank_k: int, rank_v: int) -> Codec:
+        """The codec with the first ``rank_k`` / ``rank_v`` REUSE code channels (the fits order channels by
+        importance, so this is the lower-rank fit); a new pair fingerprint."""
+        if not (1 <= rank_k <= self.config.rank_k and 1 <= rank_v <= self.config.rank_v):
+            raise CodecError(f"truncated: ranks ({rank_k}, {rank_v}) must be in [1, ({self.config.rank_k}, "
+                             f"{self.config.rank_v})]")
+        t = dict(self.tensors)
+        for i in range(self.geometry.n_layers):
+            for name, r in (("k", rank_k), ("v", rank_v)):
+                t[f"{name}.{i}.enc"] = self.tensors[f"{name}.{i}.enc"][:, :, :r].contiguous()  # (H, D, r)
+                t[f"{name}.{i}.dec"] = self.tensors[f"{name}.{i}.dec"][:, :r].contiguous()  # (H, r, D)
+        c = self.config
+        return Codec(CodecConfig(rank_k, rank_v, c.rank_h, c.patch_layers, c.bits), self.geometry, self.producer_fp,
+                     self.consumer_fp, t, self.info)
+
     # --- encode / decode -----------------------------------------------------------------------
     @torch.inference_mode()
     def encode(self, producer: Any, input_ids: torch.Tensor, patch: Sequence[int] | None = None,
