@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= report
 # pure modules (no torch): mypy --strict
-PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py radix.py eviction.py store.py evaluate.py config.py) src/kvstate/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py
+PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py radix.py eviction.py store.py evaluate.py config.py) src/kvstate/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/transfer/lowrank.py
 
 .PHONY: setup demo test lint bench clean
 
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
 		|| echo "warning: Chromium not installed; the report's browser test will fail (apt-get install -y chromium)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	command -v redis-server >/dev/null 2>&1 || { S=$$(test "$$(id -u)" -eq 0 || echo sudo); \
+		$$S apt-get update -qq && $$S apt-get install -y -qq redis-server; }
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'

@@ -188,6 +188,7 @@ def _register_model_commands() -> None:
     app.add_typer(__import__("kvstate.cli_prefix", fromlist=["app"]).app, name="prefix")
     app.add_typer(__import__("kvstate.cli_depth", fromlist=["app"]).app, name="depth")
     app.add_typer(__import__("kvstate.cli_semantic", fromlist=["app"]).app, name="semantic")
+    app.add_typer(__import__("kvstate.cli_transfer", fromlist=["app"]).app, name="transfer")
 
 
 _register_model_commands()

@@ -24,7 +24,7 @@ from typing import Any
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kvstate.errors import KVStateError
-from kvstate.report import eval_section, model_state, prefix_section, semantic_section
+from kvstate.report import eval_section, model_state, prefix_section, semantic_section, transfer_section
 from kvstate.report.html import GENERATOR, Section, write_report
 
 SectionBuilder = Callable[[Path, Path], Section]
@@ -36,6 +36,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("reference models", eval_section.build),
     ("depth", __import__("kvstate.report.depth_section", fromlist=["build"]).build),
     ("resolution", semantic_section.build),
+    ("across models", transfer_section.build),
 ]
 
 

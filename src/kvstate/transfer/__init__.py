@@ -1,1 +1,13 @@
-"""kvstate.transfer"""
+"""kvstate.transfer — state transfer across models: *Semantic Cache Distillation: Efficient State Transfer
+via Reuse and Selective Patching* (REUSE low-rank codes + PATCH aligners), its baselines, the wire
+format, payload stores and a TCP transport. See ``docs/techniques.md#across-models``."""
+
+from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on, calibration_prompts
+from kvstate.transfer.codec import Codec, CodecConfig, CodecError
+from kvstate.transfer.payload import FORMAT_VERSION, Payload, PayloadError, ids_hash
+from kvstate.transfer.store import MemoryStore, RedisStore, StoreError, open_store
+from kvstate.transfer.transport import ServerConfig, ServerThread, TransportError, fetch_payload
+
+__all__ = ["FORMAT_VERSION", "CalibrationConfig", "Codec", "CodecConfig", "CodecError", "MemoryStore", "Payload",
+           "PayloadError", "RedisStore", "ServerConfig", "ServerThread", "StoreError", "TransportError",
+           "calibrate_on", "calibration_prompts", "fetch_payload", "ids_hash", "open_store"]

@@ -1,0 +1,228 @@
+"""A producer service and a consumer client over TCP (asyncio streams, length-prefixed frames).
+
+The network half of *Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective
+Patching* (``docs/techniques.md#across-models``): a prefill producer encodes prompts into payloads
+(:mod:`kvstate.transfer.payload`) and a decode consumer fetches them. Every message is a frame:
+a 4-byte big-endian length, then the body. A request is one JSON frame
+(``{"op": "hello"}`` or ``{"op": "encode", "ids": [...]}``); a reply is a JSON frame
+(``{"ok": true, ...}`` / ``{"ok": false, "error": ...}``) followed, for ``encode``, by one payload frame.
+Requests are bounded (bytes, tokens), every read and write has a timeout, the model runs one request
+at a time in a worker thread, and a client that stalls or disconnects mid-frame only loses its own
+connection. Ignored: TLS, authentication, request multiplexing on one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvstate.errors import KVStateError
+from kvstate.transfer.payload import Payload, ids_hash
+from kvstate.transfer.store import PayloadStore, store_key
+
+_LEN = struct.Struct(">I")
+
+
+class TransportError(KVStateError):
+    """The server cannot be reached, or it answered with an error or a malformed reply."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (see ServerThread.port)
+    max_request_bytes: int = 1 << 20  # one JSON request frame
+    max_tokens: int = 32768  # tokens per encode request
+    timeout_s: float = 30.0  # per frame read / write
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise TransportError(f"ServerConfig.port={self.port} must be in [0, 65535]")
+        if self.max_request_bytes < 64 or self.max_tokens < 1 or not self.timeout_s > 0:
+            raise TransportError("ServerConfig: max_request_bytes >= 64, max_tokens >= 1, timeout_s > 0")
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int, timeout: float) -> bytes:
+    head = await asyncio.wait_for(reader.readexactly(_LEN.size), timeout)
+    (n,) = _LEN.unpack(head)
+    if n > limit:
+        raise TransportError(f"frame of {n} bytes exceeds the limit of {limit}")
+    return await asyncio.wait_for(reader.readexactly(n), timeout)
+
+
+async def write_frame(writer: asyncio.StreamWriter, body: bytes, timeout: float) -> None:
+    writer.write(_LEN.pack(len(body)) + body)
+    await asyncio.wait_for(writer.drain(), timeout)
+
+
+class ProducerService:
+    """What the server runs: ``encode(ids) -> payload bytes`` through a store, one model call at a time."""
+
+    def __init__(self, encode: Callable[[list[int]], Payload], pair: bytes, store: PayloadStore,
+                 info: dict[str, Any] | None = None) -> None:
+        self._encode, self.pair, self.store, self.info = encode, pair, store, info or {}
+        self._lock = threading.Lock()
+        self.served = 0  # requests answered with a payload
+        self.hits = 0  # of which came from the store
+
+    def payload_bytes(self, ids: list[int]) -> tuple[bytes, bool]:
+        key = store_key(self.pair, ids_hash(ids))
+        data = self.store.get(key)
+        if data is not None:
+            self.hits += 1
+            return data, True
+        with self._lock:
+            data = self._encode(ids).to_bytes()
+        self.store.put(key, data)
+        return data, False
+
+
+async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.StreamReader,
+                  writer: asyncio.StreamWriter) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                raw = await read_frame(reader, cfg.max_request_bytes, cfg.timeout_s)
+            except asyncio.IncompleteReadError:
+                return  # the client closed (between or inside a frame)
+            except TransportError as exc:  # oversized: answer, then drop the connection (its rest is unread)
+                await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
+                return
+            try:
+                req = json.loads(raw)
+                if not isinstance(req, dict):
+                    raise ValueError("request must be a JSON object")
+                if req.get("op") == "hello":
+                    reply = {"ok": True, "pair": service.pair.hex(), **service.info}
+                    await write_frame(writer, json.dumps(reply).encode(), cfg.timeout_s)
+                    continue
+                ids = req.get("ids") if req.get("op") == "encode" else None
+                if not isinstance(ids, list) or not 1 <= len(ids) <= cfg.max_tokens or not all(
+                        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
+                    raise ValueError(f"need {{'op': 'encode', 'ids': [1..{cfg.max_tokens} token ids]}} "
+                                     "or {'op': 'hello'}")
+                t0 = time.perf_counter()
+                data, hit = await loop.run_in_executor(None, service.payload_bytes, ids)
+                head = {"ok": True, "bytes": len(data), "cached": hit,
+                        "encode_ms": round(1e3 * (time.perf_counter() - t0), 3)}
+            except (ValueError, KVStateError) as exc:
+                await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
+                continue
+            await write_frame(writer, json.dumps(head).encode(), cfg.timeout_s)
+            await write_frame(writer, data, cfg.timeout_s)
+            service.served += 1
+    except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+        return  # a stalled or vanished client loses only its own connection
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+
+
+async def start_server(service: ProducerService, cfg: ServerConfig) -> asyncio.Server:
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _handle(service, cfg, reader, writer)
+
+    try:
+        return await asyncio.start_server(client, cfg.host, cfg.port, limit=cfg.max_request_bytes + 8)
+    except OSError as exc:
+        raise TransportError(f"cannot listen on {cfg.host}:{cfg.port}: {exc}; pick another --port") from None
+
+
+class ServerThread:
+    """Run the server on its own event loop in a daemon thread (``with ServerThread(...) as s: s.port``)."""
+
+    def __init__(self, service: ProducerService, cfg: ServerConfig | None = None) -> None:
+        self.service, self.cfg = service, cfg or ServerConfig()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.port = -1
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._server = self._loop.run_until_complete(start_server(self.service, self.cfg))
+            self.port = self._server.sockets[0].getsockname()[1]
+        except BaseException as exc:
+            self._error = exc
+            return
+        finally:
+            self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        async def stop() -> None:
+            self._server.close()
+            await self._server.wait_closed()
+
+        if self._error is None:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+def parse_address(server: str) -> tuple[str, int]:
+    host, sep, port = server.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TransportError(f"--server {server!r} must be HOST:PORT, e.g. 127.0.0.1:7070")
+    return host, int(port)
+
+
+async def _request(host: str, port: int, reqs: Sequence[dict[str, Any]], timeout: float,
+                   max_payload: int) -> list[tuple[dict[str, Any], bytes | None]]:
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (TimeoutError, OSError) as exc:
+        raise TransportError(f"cannot reach the producer at {host}:{port}: {exc or 'timed out'}; "
+                             "start one with `kvstate transfer serve`") from None
+    out = []
+    try:
+        for req in reqs:
+            await write_frame(writer, json.dumps(req).encode(), timeout)
+            head = json.loads(await read_frame(reader, 1 << 20, timeout))
+            if not isinstance(head, dict) or not head.get("ok"):
+                raise TransportError(f"producer at {host}:{port} refused {req.get('op')!r}: "
+                                     f"{head.get('error') if isinstance(head, dict) else head}")
+            body = await read_frame(reader, max_payload, timeout) if req.get("op") == "encode" else None
+            out.append((head, body))
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, json.JSONDecodeError) as exc:
+        raise TransportError(f"connection to the producer at {host}:{port} failed: {exc!r}") from None
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await writer.wait_closed()
+    return out
+
+
+def fetch_payload(server: str, ids: Sequence[int], pair: bytes | None = None, timeout: float = 60.0,
+                  max_payload: int = 1 << 31) -> tuple[Payload, dict[str, Any]]:
+    """Ask the producer at ``HOST:PORT`` for the payload of ``ids``; checks the pair first when given.
+
+    Returns the verified payload and the reply header plus ``"wire_ms"`` (request to last byte)."""
+    host, port = parse_address(server)
+    t0 = time.perf_counter()
+    reqs: list[dict[str, Any]] = [{"op": "hello"}, {"op": "encode", "ids": [int(i) for i in ids]}]
+    (hello, _), (head, body) = asyncio.run(_request(host, port, reqs, timeout, max_payload))
+    wire_ms = 1e3 * (time.perf_counter() - t0)
+    if pair is not None and hello.get("pair") != pair.hex():
+        raise TransportError(f"producer at {server} serves model pair {str(hello.get('pair'))[:12]}…, the "
+                             f"consumer's codec is for {pair.hex()[:12]}…; point both at the same codec")
+    assert body is not None
+    return Payload.from_bytes(body), {**head, "wire_ms": wire_ms, "hello": hello}
