@@ -132,3 +132,20 @@ def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
     assert all(abs(a.nll - b.nll) < 1e-4 for a, b in zip(full, exact, strict=True))
     assert abs(rows["sekv1"]["ppl"] - rows["full0"]["ppl"]) < 1e-4 * ref and rows["sekv1"]["slow_bytes"] > 0
     assert abs(rows["sekv2"]["ppl"] - ref) > 1e-3 * ref  # the oracle can fail
+
+
+def test_cli_ppl_rows(tmp_path, model_dir):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    d, _, _ = model_dir
+    out = tmp_path / "eval.json"
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(d), "--task", "ppl", "--length", "96", "--n", "1",
+                                 "--methods", "full,sekv", "--budget", "0.5", "--save", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x for x in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and x["tokens"] > 10 for x in rows.values())
+    assert 1 < rows["full"]["ppl"] == rows["full"]["score"] and rows["sekv"]["fast_bytes"] < rows["full"]["fast_bytes"]
