@@ -94,3 +94,58 @@ def test_cli_rejects_bad_inputs(tmp_path):
     assert r.exit_code != 0 and isinstance(r.exception, KVStateError) and "unknown task" in str(r.exception)
     r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--budget", "1.5"])
     assert isinstance(r.exception, KVStateError) and "--budget" in str(r.exception)
+
+
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
+    import dataclasses
+    import math
+
+    import torch
+
+    from kvstate.semantic.cache import SemanticConfig
+    from kvstate.semantic.protocol import CONTINUATION, PPL
+
+    tok = build_tokenizer()
+    model = tiny_model(family, vocab_size=len(tok))
+    items = build_items(tok, PPL, 128, 2, 0)
+    assert all(len(it.context) == 128 and 24 <= len(it.questions[0]) <= CONTINUATION for it in items)
+    assert items[0].context != items[1].context
+    items = [dataclasses.replace(it, questions=[it.questions[0][:20]]) for it in items]  # keep the test short
+    seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
+    full = run_method("full", model, tok, items, 1.0, None, seg)
+    exact = run_method("sekv", model, tok, items, 0.4, None, seg,
+                       config=SemanticConfig(budget=0.4, zoom="all", rank=64, segment=seg))
+    lossy = run_method("sekv", model, tok, items, 0.4, None, seg,
+                       config=SemanticConfig(budget=0.4, zoom="none", segment=seg))
+    with torch.no_grad():  # brute force: one full forward over context + continuation
+        nll = 0.0
+        for it in items:
+            ids = torch.tensor([it.context + it.questions[0]])
+            logits = model(input_ids=ids).logits[0, len(it.context):-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, len(it.context) + 1:], reduction="sum"))
+    count = sum(len(it.questions[0]) - 1 for it in items)
+    rows = {r["method"] + str(i): r for i, rs in enumerate((full, exact, lossy)) for r in summarise(rs)}
+    ref = math.exp(nll / count)
+    assert rows["full0"]["tokens"] == count and rows["full0"]["task"] == "ppl" and rows["full0"]["score"] == rows["full0"]["ppl"]
+    assert abs(rows["full0"]["ppl"] - ref) < 1e-4 * ref
+    assert all(abs(a.nll - b.nll) < 1e-4 for a, b in zip(full, exact, strict=True))
+    assert abs(rows["sekv1"]["ppl"] - rows["full0"]["ppl"]) < 1e-4 * ref and rows["sekv1"]["slow_bytes"] > 0
+    assert abs(rows["sekv2"]["ppl"] - ref) > 1e-3 * ref  # the oracle can fail
+
+
+def test_cli_ppl_rows(tmp_path, model_dir):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    d, _, _ = model_dir
+    out = tmp_path / "eval.json"
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(d), "--task", "ppl", "--length", "96", "--n", "1",
+                                 "--methods", "full,sekv", "--budget", "0.5", "--save", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x for x in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and x["tokens"] > 10 for x in rows.values())
+    assert 1 < rows["full"]["ppl"] == rows["full"]["score"] and rows["sekv"]["fast_bytes"] < rows["full"]["fast_bytes"]

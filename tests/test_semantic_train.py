@@ -47,12 +47,21 @@ def test_report_section_reads_results(tmp_path):
 
     res = [row("full", 1.0, "niah_single", 1.0, 1000, 10.0), row("sekv", 0.25, "niah_single", 0.9, 250, 14.0),
            row("snap_kv_press", 0.25, "niah_single", 0.5, 250, 9.0)]
+    ppl = [{**row("full", 1.0, "ppl", 8.0, 1000, 99.0), "ppl": 8.0, "tokens": 126},
+           {**row("sekv", 0.25, "ppl", 10.0, 250, 99.0), "ppl": 10.0, "tokens": 126}]
     cells = [{"method": m, "budget": b, "task": "niah_single", "length": 1024, "index": 0, "question": 0,
               "depth": 0.5, "score": s} for m, b, s in (("full", 1.0, 1.0), ("sekv", 0.25, 1.0),
                                                         ("snap_kv_press", 0.25, 0.0))]
     (tmp_path / "ref-attn-sekv").mkdir()
-    (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps({"model": "m", "results": res, "cells": cells}))
+    (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps({"model": "m", "results": res + ppl, "cells": cells}))
+    (tmp_path / "ref-hybrid-sekv").mkdir()
+    (tmp_path / "ref-hybrid-sekv" / "eval.json").write_text(json.dumps({"model": "h", "results": res[:2] + ppl}))
     sec = build(tmp_path, tmp_path)
+    ppl_tables = [t for t in sec.tables if "perplexity" in t.title]
+    assert len(ppl_tables) == 2 and [r[6] for r in ppl_tables[0].rows] == [1.0, 1.25]  # ppl / full
+    hybrid = next(t for t in sec.tables if t.title.startswith("ref-hybrid ("))
+    assert [r[:4] for r in hybrid.rows] == [["full", "–", 1.0, 1.0], ["sekv", 0.25, 0.9, 0.9]]
+    assert sec.summary["ppl"] == {"full@1.0@1024": 8.0, "sekv@0.25@1024": 10.0}
     assert any("+40.0 points" in h.measured and h.met for h in sec.headline)
     assert any(h.measured == "0.900 / 1.000 = 0.90" and h.met is False for h in sec.headline)
     assert any(h.measured == "1.40x" and h.met for h in sec.headline)

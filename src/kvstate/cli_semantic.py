@@ -83,7 +83,8 @@ def default_router_dir(model: Path) -> Path:
 def eval_command(
     model: Annotated[Path, typer.Option(help="Model directory.")],
     budget: Annotated[str, typer.Option(help="Fast-tier budgets (fraction of full KV), comma-separated.")] = "0.25",
-    task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks and niah_4q).")] = "niah_single",
+    task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks, niah_4q, and ppl: held-out "
+                                           "perplexity, compress the context then continue).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
     methods: Annotated[str, typer.Option(help="full, sekv, sentencekv, quest, kvpress (its default presses) or press "
                                               "class names, comma-separated.")] = "full,sekv,sentencekv,quest,kvpress",
@@ -109,7 +110,7 @@ def eval_command(
     from kvstate.report.html import atomic_write_text
     from kvstate.semantic import baselines_kvpress as kp
     from kvstate.semantic.bench import IN_PROCESS, cells, run_method, summarise
-    from kvstate.semantic.protocol import MULTI_Q, build_items
+    from kvstate.semantic.protocol import MULTI_Q, PPL, build_items
     from kvstate.semantic.router import RouterConfig, SemanticRouter
     from kvstate.semantic.segment import SegmentConfig
     from kvstate.workloads.tasks import TASKS
@@ -119,8 +120,9 @@ def eval_command(
     budgets, lengths = _floats(budget, "budget"), _ints(length, "length")
     tasks = [t.strip() for t in task.split(",") if t.strip()]
     for t in tasks:
-        if t not in (*TASKS, MULTI_Q) or t == "text":
-            raise KVStateError(f"unknown task {t!r}; choose from {', '.join([*(x for x in TASKS if x != 'text'), MULTI_Q])}")
+        if t not in (*TASKS, MULTI_Q, PPL) or t == "text":
+            raise KVStateError(f"unknown task {t!r}; choose from "
+                               f"{', '.join([*(x for x in TASKS if x != 'text'), MULTI_Q, PPL])}")
     for b in budgets:
         if not 0 < b <= 1:
             raise KVStateError(f"--budget {b} must be in (0, 1]")
@@ -150,13 +152,16 @@ def eval_command(
         outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=lambda: bar.update(1))
     bar.close()
     kv_info: dict = {"presses": presses, "not_run": kp.NOT_RUN}
-    if presses:
+    press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
+    if presses and len(press_items) < len(items):
+        console.print("[yellow]ppl is measured for the in-process methods only (not through kvpress presses)[/]")
+    if presses and press_items:
         try:
             py = kp.ensure_env(kvpress_venv)
             kv_info["versions"] = kp.versions(py)
-            console.print(f"kvpress: {len(presses)} presses x {len(budgets)} budgets x {len(items)} items (isolated env)")
+            console.print(f"kvpress: {len(presses)} presses x {len(budgets)} budgets x {len(press_items)} items (isolated env)")
             with tempfile.TemporaryDirectory() as work:
-                got, errors = kp.run_presses(py, model, items, presses, budgets, Path(work), threads)
+                got, errors = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads)
             outcomes += got
             kv_info["errors"] = errors[:20]
         except KVStateError as exc:  # say why, run the rest

@@ -3,8 +3,10 @@
 Reads the committed results of ``kvstate semantic eval`` next to the trained router
 (``models/ref-attn-sekv/eval.json``: the main run at 25%; ``eval_sweep.json``: other budgets, if
 present) and renders accuracy per task and method, bytes per tier, expansion, decode latency, the
-needle-in-a-haystack heatmap (length x depth) per method at 25%, and one headline row per target with
-the measured value. Nothing is re-measured here (the section runs in seconds); the file names the
+needle-in-a-haystack heatmap (length x depth) per method at 25%, held-out perplexity under
+compress-then-continue (rows with task ``ppl``), the run on the hybrid reference model's one attention
+layer (``models/ref-hybrid-sekv/eval.json``, if present), and one headline row per target with the
+measured value. Nothing is re-measured here (the section runs in seconds); the file names the
 command that produced it.
 """
 
@@ -78,6 +80,64 @@ def _heatmap(cells: list[dict[str, Any]], methods: list[str], out_dir: Path) -> 
                   "Mean niah_single score per (length, depth bin); green = 1."), correct
 
 
+def _ppl_table(rows: list[dict[str, Any]], title: str) -> Table | None:
+    """Held-out perplexity rows (task ``ppl``): one line per method and budget, relative to full KV."""
+    ppl = [r for r in rows if r["task"] == "ppl"]
+    full = {r["length"]: r for r in ppl if r["method"] == "full"}
+    lines = []
+    for r in sorted(ppl, key=lambda r: (r["length"], IN_PROJECT.index(r["method"]) if r["method"] in IN_PROJECT
+                                        else len(IN_PROJECT), -r["budget"])):
+        f = full.get(r["length"])
+        lines.append([r["method"], "–" if r["method"] == "full" else r["budget"], r["length"], r["n"],
+                      r.get("tokens", "–"), round(r["score"], 3), round(r["score"] / f["score"], 4) if f else "–",
+                      round(r["fast_bytes"] / f["fast_bytes"], 3) if f else "–",
+                      "–" if r.get("expanded_fraction") is None else round(r["expanded_fraction"], 3),
+                      round(r["decode_ms_per_token"], 2)])
+    return Table(title, ["method", "budget", "context tokens", "texts", "scored tokens", "perplexity", "ppl / full",
+                         "fast / full", "expanded fraction", "ms / token"], lines) if lines else None
+
+
+def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
+    """Tables of the run on the hybrid reference model (its attention layer compressed), if committed."""
+    run = _load(models_dir / "ref-hybrid-sekv" / "eval.json")
+    if run is None:
+        return [], "", {}
+    rows = [r for r in run["results"] if r["task"] != "ppl"]
+    tasks = [t for t in (*STRONG, *WEAK) if any(r["task"] == t for r in rows)]
+    full = [r for r in rows if r["method"] == "full"]
+    full_b = float(np.mean([r["fast_bytes"] for r in full])) if full else float("nan")
+    full_ms = float(np.mean([r["decode_ms_per_token"] for r in full])) if full else float("nan")
+    lines, summary = [], {}
+    for m in _methods(rows):
+        for b in sorted({r["budget"] for r in rows if r["method"] == m}, reverse=True):
+            rs = [r for r in rows if r["method"] == m and abs(r["budget"] - b) < 1e-9]
+            cells = []
+            for t in tasks:
+                got = [r["score"] for r in rs if r["task"] == t]
+                cells.append(round(float(np.mean(got)), 3) if got else "–")
+            avg = _avg(rs, m, None, tuple(tasks))
+            summary[f"{m}@{b}"] = avg
+            ms = float(np.mean([r["decode_ms_per_token"] for r in rs]))
+            lines.append([m, "–" if m == "full" else b, *cells, "–" if avg is None else round(avg, 3),
+                          round(float(np.mean([r["fast_bytes"] for r in rs])) / full_b, 3),
+                          round(float(np.mean([r["slow_bytes"] for r in rs])) / full_b, 3),
+                          round(ms, 2), round(ms / full_ms, 2)])
+    lengths = sorted({r["length"] for r in rows})
+    n = {t: max(r["n"] for r in rows if r["task"] == t) for t in tasks}
+    tables = [Table(f"ref-hybrid (one attention layer of four compressed; bytes are that layer's KV), "
+                    f"{', '.join(map(str, lengths))} tokens; avg over the tasks shown",
+                    ["method", "budget", *[f"{t} (n = {n[t]} questions)" for t in tasks], "avg", "fast / full",
+                     "slow / full", "ms / token", "latency / full"], lines,
+                    note="Latency on a CPU shared with other jobs; full and sekv ran one after the other in one process.")]
+    pt = _ppl_table(run["results"], "ref-hybrid: held-out perplexity, compress the context then continue")
+    if pt is not None:
+        tables.append(pt)
+    note = (f" The hybrid reference model ({run['model']}, router {run.get('router')}): only its attention layer "
+            "holds per-token KV, so SEKV compresses that layer and the Gated DeltaNet layers keep their state; "
+            f"produced by: {run.get('command', 'kvstate semantic eval')}.")
+    return tables, note, summary
+
+
 def build(out_dir: Path, models_dir: Path) -> Section:
     src = models_dir / "ref-attn-sekv"
     main, sweep = _load(src / "eval.json"), _load(src / "eval_sweep.json")
@@ -86,7 +146,9 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                        intro=f"No results at {src / 'eval.json'}; run `kvstate semantic eval --model models/ref-attn "
                              "--json --save models/ref-attn-sekv/eval.json`.",
                        headline=[HeadlineRow(TECH, "SEKV benchmark", "not run", None)])
-    allrows = main["results"]
+    ppl_rows = [r for r in main["results"] if r["task"] == "ppl"]
+    ppl_table = _ppl_table(ppl_rows, f"Held-out perplexity, compress the context then continue ({main['model']})")
+    allrows = [r for r in main["results"] if r["task"] != "ppl"]  # perplexity has its own table
     # tables and averages at the one length every task ran at (the heatmap uses every length)
     per_len: dict[int, set[str]] = {}
     for r in allrows:
@@ -180,7 +242,12 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "sentencekv is an in-project SentenceKV-like static grouping (sentence summaries, never expanded); quest an in-project Quest-like page selection (page min/max keys). "
              f"Averages are over the needle tasks the full cache answers well in this run (>= 0.8): {', '.join(avg_tasks)}; "
              f"the others and the weak tasks of the reference model ({', '.join(WEAK)}) are shown but not averaged. "
+             "Held-out perplexity (task ppl): a held-out text is cut into a context, prefilled and compressed, and a "
+             "continuation of up to 64 tokens fed one token at a time through the compressed cache; the first "
+             "continuation token is fed, the rest scored (perplexity = exp(mean NLL); lower is better). "
              f"Produced by: {main.get('command', 'kvstate semantic eval')}.")
+    hybrid_tables, hybrid_note, hybrid_summary = _hybrid(models_dir)
+    intro += hybrid_note
     tables = [Table(f"Accuracy at 25% fast-tier budget, {length} tokens (full: no compression); avg over the tasks named above",
                     ["method", *[t + (" (weak)" if t in WEAK else "") for t in tasks], "avg"], acc_rows),
               Table(f"Bytes per tier, expansion and decode latency at 25%, {length} tokens",
@@ -191,6 +258,9 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         tables.append(Table(f"Average accuracy per budget, {length} tokens (tasks named above; other budgets from "
                             "eval_sweep.json, n = 4 items per task there)", ["budget", *[m for m in methods if m != "full"]],
                             sweep_rows))
+    if ppl_table is not None:
+        tables.append(ppl_table)
+    tables += hybrid_tables
     not_run = main.get("kvpress", {}).get("not_run", {})
     if not_run:
         tables.append(Table("kvpress presses not run", ["press", "why"], [[k, v] for k, v in not_run.items()]))
@@ -198,5 +268,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                    figures=[fig] if fig else [],
                    summary={"avg_needle_accuracy_25": {m: _avg(main["results"], m, None if m == "full" else MAIN_BUDGET,
                                                                avg_tasks) for m in methods},
-                            "niah_cells_correct": niah_correct},
+                            "niah_cells_correct": niah_correct,
+                            "ppl": {f"{r['method']}@{r['budget']}@{r['length']}": r["score"] for r in ppl_rows},
+                            "hybrid_avg_accuracy": hybrid_summary},
                    headline=head)

@@ -13,12 +13,17 @@ fast-tier bytes relative to the full KV of the context, the same for every metho
   starts then recency; it runs through the same cache with ``zoom="none"``;
 - ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.semantic.quest`), labelled as such.
 
+``ppl`` items (held-out perplexity, compress-then-continue) feed their continuation one token at a time
+to the compressed cache and score each next token; a row's ``score`` (and ``ppl``) is then
+``exp(total NLL / scored tokens)`` over its items (lower is better), not an accuracy.
+
 kvpress presses run in their own environment (:mod:`kvstate.semantic.baselines_kvpress`).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ from transformers import DynamicCache
 from kvstate.eval.scoring import METRIC_FUNCTIONS, extract_answer
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
-from kvstate.semantic.protocol import Item
+from kvstate.semantic.protocol import PPL, Item
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import SegmentConfig
 
@@ -56,6 +61,8 @@ class Outcome:
     decode_s: float  # wall time of the single-token decode steps
     decode_steps: int
     expanded: float | None  # SEKV: mean expanded fraction of span tokens over the question's forward calls
+    nll: float | None = None  # ppl items: summed next-token NLL of the continuation (nats)
+    tokens: int = 0  # ppl items: continuation tokens scored
 
 
 def score_prediction(item: Item, q: int, prediction: str) -> float:
@@ -81,6 +88,17 @@ def _decode(model: Any, cache: Any, question: list[int], start: int, max_new: in
     return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - t0, steps
 
 
+@torch.no_grad()
+def _continue(model: Any, cache: Any, continuation: list[int], start: int) -> tuple[float, int, float]:
+    """Feed ``continuation[:-1]`` one token at a time; (summed NLL of ``continuation[1:]``, count, seconds)."""
+    nll, t0 = 0.0, time.perf_counter()
+    for i, tok in enumerate(continuation[:-1]):
+        out = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[start + i]]), cache=cache,
+                    use_cache=True)
+        nll += float(torch.nn.functional.cross_entropy(out.logits[0, -1:].float(), torch.tensor([continuation[i + 1]])))
+    return nll, len(continuation) - 1, time.perf_counter() - t0
+
+
 def sentence_score(tokenizer: Any, ids: list[int]) -> np.ndarray:
     """SentenceKV-like anchor score: 1 at each sentence's first token, then a small recency ramp."""
     period = tokenizer.convert_tokens_to_ids(".")
@@ -93,11 +111,15 @@ def sentence_score(tokenizer: Any, ids: list[int]) -> np.ndarray:
 @torch.no_grad()
 def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], budget: float,
                router: SemanticRouter | None, segment: SegmentConfig,
-               progress: Callable[[], None] | None = None) -> list[Outcome]:
-    """Answer every question of ``items`` under one in-process method at one budget."""
+               progress: Callable[[], None] | None = None, config: SemanticConfig | None = None) -> list[Outcome]:
+    """Answer every question of ``items`` under one in-process method at one budget.
+
+    ``config`` replaces SEKV's cache settings (e.g. ``zoom="all"`` at full rank: the exact oracle).
+    """
     if method not in IN_PROCESS:
         raise ValueError(f"unknown in-process method {method!r}; choose from {IN_PROCESS}")
     outcomes: list[Outcome] = []
+    cfg = config
     eos = tokenizer.eos_token_id
     for it in items:
         ctx = torch.tensor([it.context])
@@ -105,19 +127,34 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
         if method == "full":
             cache: Any = DynamicCache(config=model.config)
             model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache, use_cache=True)
-            fast = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+            fast = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers  # attention layers only
+                       if getattr(layer, "keys", None) is not None)
             slow = 0
         else:
             from kvstate.semantic.quest import QuestCache
 
             zoom = "learned" if method == "sekv" else "none"
-            config = SemanticConfig(budget=budget, segment=segment, zoom=zoom, slow_tier=method == "sekv")
+            config = SemanticConfig(budget=budget, segment=segment, zoom=zoom, slow_tier=method == "sekv") \
+                if method != "sekv" or cfg is None else cfg
             cache = QuestCache(model, router, config) if method == "quest" else SemanticCache(model, router, config)
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache, use_cache=True).logits
             score = surprisal(logits, ctx) if method == "sekv" else torch.as_tensor(sentence_score(tokenizer, it.context))
             cache.compress(score)
             nb = cache.nbytes()
             fast, slow = nb["fast"], nb["slow"]
+        if it.task == PPL:  # compress, then continue: no copy needed, one continuation per context
+            if method == "full":
+                nll, count, dt = _continue(model, cache, it.questions[0], tc)
+                expanded = None
+            else:
+                with semantic_attention(model):
+                    nll, count, dt = _continue(model, cache, it.questions[0], tc)
+                expanded = cache.expanded_fraction() if method in ("sekv", "quest") else 0.0
+            outcomes.append(Outcome(method, budget, it.task, it.length, it.index, 0, None, math.exp(nll / count), "",
+                                    fast, slow, dt, count, expanded, nll, count))
+            if progress is not None:
+                progress()
+            continue
         for qi, (q, mx) in enumerate(zip(it.questions, it.max_new_tokens, strict=True)):
             work = copy.deepcopy(cache, memo={id(router): router, id(model.config): model.config}) \
                 if method != "full" else copy.deepcopy(cache)
@@ -144,12 +181,14 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for (method, budget, task, length), g in groups.items():
         steps = sum(o.decode_steps for o in g)
         exp = [o.expanded for o in g if o.expanded is not None]
+        ppl = math.exp(sum(o.nll for o in g) / sum(o.tokens for o in g)) if task == PPL else None
         rows.append({"method": method, "budget": budget, "task": task, "length": length, "n": len(g),
-                     "score": round(float(np.mean([o.score for o in g])), 4),
+                     "score": round(ppl, 4) if ppl is not None else round(float(np.mean([o.score for o in g])), 4),
                      "fast_bytes": int(np.mean([o.fast_bytes for o in g])),
                      "slow_bytes": int(np.mean([o.slow_bytes for o in g])),
                      "decode_ms_per_token": round(1000 * sum(o.decode_s for o in g) / max(steps, 1), 3),
-                     "expanded_fraction": round(float(np.mean(exp)), 4) if exp else None})
+                     "expanded_fraction": round(float(np.mean(exp)), 4) if exp else None,
+                     **({"ppl": round(ppl, 4), "tokens": sum(o.tokens for o in g)} if ppl is not None else {})})
     return rows
 
 

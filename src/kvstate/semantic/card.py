@@ -64,6 +64,8 @@ def render_card(model_dir: Path, manifest: dict[str, Any], evaluation: dict[str,
     ]
     if evaluation is not None:
         lines += ["", "## Evaluation (`eval.json`)", "", f"Command: `{evaluation.get('command', '')}`", "",
+                  "Scores are accuracies, except task `ppl`: held-out perplexity (compress the context, then continue; "
+                  "lower is better).", "",
                   "| method | budget | task | length | score | fast bytes | slow bytes | ms / token |",
                   "|---|---:|---|---:|---:|---:|---:|---:|"]
         for r in evaluation["results"]:

@@ -3,7 +3,10 @@
 As kvpress evaluates presses: the context (with ``<bos>``) is prefilled and compressed *without* the
 question; the question is fed afterwards and the answer decoded greedily. The ``niah_4q`` setting asks
 four different single-key questions of one compressed context (built from a ``niah_multiquery``
-example: four needles, each asked on its own), where a reversible memory should beat eviction.
+example: four needles, each asked on its own), where a reversible memory should beat eviction. The
+``ppl`` setting is held-out perplexity under compress-then-continue: a held-out ``text`` example is cut
+into a context (prefilled and compressed) and a continuation of :data:`CONTINUATION` tokens that is fed
+afterwards one token at a time and scored through the compressed cache.
 Tasks are written to JSONL (:func:`write_jsonl`) so a runner in another environment sees the same
 token ids; results come back the same way.
 """
@@ -22,6 +25,8 @@ from kvstate.errors import KVStateError, TraceFormatError
 from kvstate.workloads.tasks import DEPTH_TASKS, Example, generate
 
 MULTI_Q = "niah_4q"
+PPL = "ppl"
+CONTINUATION = 64  # tokens of held-out text fed after the compressed context (the first is fed, not scored)
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,24 @@ def _four_questions(tokenizer: Any, ex: Example, index: int) -> Item:
     return Item(MULTI_Q, ex.length, index, ex.depth, ctx, qs, [[a] for a in ex.answers], "exact", budgets)
 
 
+def _continuation(tokenizer: Any, ex: Example, length: int, index: int) -> Item:
+    ids = _ids(tokenizer, ex.prompt, True)
+    if len(ids) < length + 2:
+        raise KVStateError(f"ppl: the held-out text of {len(ids)} tokens is too short for a {length}-token context "
+                           "plus a continuation; pass a shorter --length")
+    cont = ids[length:length + CONTINUATION]
+    return Item(PPL, length, index, None, ids[:length], [cont], [[]], "ppl", [0])
+
+
 def build_items(tokenizer: Any, task: str, length: int, n: int, seed: int) -> list[Item]:
-    """``n`` held-out items of ``task`` (or :data:`MULTI_Q`), needle depths spread evenly over [0, 1]."""
+    """``n`` held-out items of ``task`` (or :data:`MULTI_Q`, :data:`PPL`), needle depths spread evenly over [0, 1].
+
+    :data:`PPL` items hold the context (``length`` tokens with ``<bos>``) and, as their one "question",
+    the next :data:`CONTINUATION` tokens of the same held-out ``text`` example.
+    """
+    if task == PPL:
+        exs = generate("text", length + CONTINUATION, n, seed, tokenizer)
+        return [_continuation(tokenizer, ex, length, i) for i, ex in enumerate(exs)]
     base = "niah_multiquery" if task == MULTI_Q else task
     depths = [i / (n - 1) if n > 1 else 0.5 for i in range(n)] if base in DEPTH_TASKS else None
     exs = generate(base, length, n, seed, tokenizer, depths=depths)
