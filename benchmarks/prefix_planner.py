@@ -1,4 +1,4 @@
-"""Checkpoint-planner benchmark (seed 000): speed of the exact DP, the paper-style O(N^2 M) DP it
+"""Checkpoint-planner benchmark (sparse prefix caching): speed of the exact DP, the paper-style O(N^2 M) DP it
 replaces, and prefix-tree placement against per-entry planning. NumPy only.
 
 1. ``plan_checkpoints(method="optimal")`` at N = 131072, M = 64 on five overlap shapes: median of

@@ -1,4 +1,4 @@
-"""Overlap histogram (decay, smoothing, bins), total variation and the Theorem-3 bound (seed 000)."""
+"""Overlap histogram (decay, smoothing, bins), total variation and the Theorem-3 bound (sparse prefix caching)."""
 
 from __future__ import annotations
 

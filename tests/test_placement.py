@@ -1,4 +1,4 @@
-"""Checkpoint placement (seed 000): the exact DP against a brute-force oracle, baselines against their
+"""Checkpoint placement (sparse prefix caching): the exact DP against a brute-force oracle, baselines against their
 definitions, the hull engine against a sequential monotone chain, and bad input."""
 
 from __future__ import annotations

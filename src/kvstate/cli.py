@@ -106,7 +106,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of weights and checkpoints.")] = None,
 ) -> None:
-    """Checkpoint positions and expected recompute per placement method, side by side (seed 000)."""
+    """Checkpoint positions and expected recompute per placement method, side by side (sparse prefix caching)."""
     import numpy as np
 
     from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints

@@ -1,4 +1,4 @@
-"""``kvstate train`` and ``kvstate eval``: the reference-model commands (issue 4), registered by ``cli.py``.
+"""``kvstate train`` and ``kvstate eval``: the reference-model commands, registered by ``cli.py``.
 
 Plain functions with ``typing.Annotated`` typer parameters, so ``cli.py`` registers them with
 ``app.command("train")(train_command)`` and tests can call them directly. They parse arguments, call

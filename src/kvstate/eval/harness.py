@@ -1,4 +1,4 @@
-"""The evaluation harness: run a task set under a *cache policy* and score it (issue 4).
+"""The evaluation harness: run a task set under a *cache policy* and score it.
 
 For each ``(task, length)`` it generates ``n`` held-out examples (:func:`kvstate.workloads.tasks.generate`),
 prefills the prompt in one forward call into a fresh cache from the policy's factory, greedily decodes

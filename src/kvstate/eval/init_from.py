@@ -1,4 +1,4 @@
-"""Seeding a new reference model from a trained one (``kvstate train --init-from``), issue 4.
+"""Seeding a new reference model from a trained one (``kvstate train --init-from``).
 
 The hybrid reference model (Qwen3.5 text: Gated DeltaNet + gated attention) starts from the attention
 model's weights: tensors whose names (layer index rescaled) and shapes match are copied, with the two

@@ -1,10 +1,10 @@
 """Training the reference models (``models/ref-attn``, ``models/ref-hybrid``) on the synthetic tasks.
 
-Recipe (issue 4, measured on a 2-core CPU): bf16 autocast + SDPA, AdamW at lr 1e-3, answer tokens
+Recipe (measured on a 2-core CPU): bf16 autocast + SDPA, AdamW at lr 1e-3, answer tokens
 weighted x10, and a *context-length curriculum* that starts at 64 tokens and doubles the length
 whenever the gate tasks (``niah_single``, ``niah_multikey``) pass ``advance_at`` first-answer-token
 accuracy (or whole-answer exact match, ``advance_metric="exact"``), or after ``stage_patience_min``
-once their mean passes ``patience_floor`` (0 by default: the probe behind issue 4 solved single-needle
+once their mean passes ``patience_floor`` (0 by default: the probe behind the reference models solved single-needle
 retrieval at 1K only after most of its training at 1K, and a strict gate at 128 tokens stalled here for
 10 minutes). A ``shorter_share`` of the steps replays an earlier stage's length. Both are measured on each fresh training batch *before* the
 update, row by row: exact match counts a row when every answer token is the argmax under teacher
@@ -91,7 +91,7 @@ _NUMBERS = (("minutes", float, 0.0, 1e6, True), ("seed", int, 0, 2**32 - 1, Fals
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run; sizes default to the reference models of issue 4."""
+    """One training run; sizes default to the reference models (``models/README.md``)."""
 
     arch: str = "attn"  # "attn" (Qwen3) or "hybrid" (Qwen3.5 text: 3 Gated DeltaNet : 1 attention)
     minutes: float = 30.0  # wall-clock budget of this run (a resumed run adds to the total)

@@ -3,7 +3,7 @@
 This is the one module that maps a transformers config onto kvstate's view of a model: which layers hold
 attention KV, which hold recurrent (conv + SSM / linear-attention) state, which hold both (Falcon-H1), and
 the chunk size of the torch-fallback chunked kernel (a checkpoint inside a prefix is cheapest to capture
-at a chunk boundary — seed 000). Anything not listed here raises :class:`UnsupportedModelError`.
+at a chunk boundary — sparse prefix caching). Anything not listed here raises :class:`UnsupportedModelError`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Segmented prefill: run a prompt through a model in segments ending at given cut positions.
 
-Only the final recurrent state of a forward call exists (seed 000, DESIGN.md), so a checkpoint at
+Only the final recurrent state of a forward call exists (sparse prefix caching; docs/techniques.md), so a checkpoint at
 ``c`` needs a call boundary at ``c``. This module makes those boundaries, always with explicit
 ``position_ids`` (Bamba and pure-SSM caches go wrong without them), and snapshots the state at each
 cut. Resuming from a restored snapshot and running the same remaining segments reproduces the

@@ -1,4 +1,4 @@
-"""kvstate.prefix — sparse prefix caching for hybrid and recurrent models (seed 000, SPEC §1).
+"""kvstate.prefix — sparse prefix caching for hybrid and recurrent models ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving").
 
 - placement (pure): :func:`plan_checkpoints` (exact DP + baselines), :func:`expected_recompute`;
 - :class:`OverlapHistogram` (pure): decayed overlap-depth histograms, TV distance, Theorem-3 bound;

@@ -1,5 +1,5 @@
 """Vectorised upper convex hull of x-sorted points — the convex-hull-trick engine behind the exact
-placement DP of seed 000 (Theorem 2) in :mod:`kvstate.prefix.placement`.
+placement DP of sparse prefix caching (Theorem 2) in :mod:`kvstate.prefix.placement`.
 
 ``upper_hull(x, y)`` returns the vertices of the upper hull of points with strictly increasing ``x``.
 A sequential monotone chain is ``O(n)`` but a Python loop over 10^5 points per DP layer is too slow,

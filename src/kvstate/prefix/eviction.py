@@ -1,7 +1,7 @@
 """Eviction order for the sparse prefix store under a byte budget (pure; no torch).
 
 Two policies over *units* — a whole entry (its attention KV, final state and checkpoints) or one sparse
-recurrent checkpoint of an entry — so checkpoints and KV evict separately (seed 000 keeps placement
+recurrent checkpoint of an entry — so checkpoints and KV evict separately (the sparse prefix caching paper keeps placement
 inside an entry; admission/eviction across entries is the Marconi axis it names as future work):
 
 - ``lru``: the least recently used unit first.

@@ -1,4 +1,4 @@
-"""Overlap-depth histogram and the robustness bound of seed 000 (Lemma 1, Theorems 3 and 4).
+"""Overlap-depth histogram and the robustness bound of sparse prefix caching (Lemma 1, Theorems 3 and 4).
 
 The placement DP (:mod:`kvstate.prefix.placement`) needs the distribution ``p`` of the depth ``T`` to
 which future requests overlap a prefix. It is estimated from observed overlaps:

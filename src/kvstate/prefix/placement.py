@@ -1,4 +1,4 @@
-"""Checkpoint placement inside one retained prefix — seed 000 (sparse prefix caching), §1 of SPEC.md.
+"""Checkpoint placement inside one retained prefix — sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving").
 
 A prefix of ``N`` tokens may keep at most ``M`` recurrent-state checkpoints; position ``c`` is the
 state after the first ``c`` tokens. A future request overlapping the prefix to depth ``t`` restores

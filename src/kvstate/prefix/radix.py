@@ -1,7 +1,7 @@
 """A compressed radix tree over token ids that indexes cached prefix entries (pure; no torch).
 
 Seed 000 places checkpoints *inside* one retained entry; this index finds, for a new request, every
-cached entry that shares a prefix with it and how deep (the overlap depth ``t`` of SPEC §1). Edges are
+cached entry that shares a prefix with it and how deep (the overlap depth ``t`` of the placement problem, ``docs/techniques.md#position``). Edges are
 labelled with token tuples and split on insert (SGLang-style); entries are attached to the node where
 their token path ends. Lookups never touch tensors.
 """

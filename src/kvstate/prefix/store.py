@@ -1,6 +1,6 @@
 """The sparse prefix store as one radix tree with shared KV, driven by transactions (pure; no torch).
 
-Sparse prefix caching (seed 000, "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving") keeps
+Sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving") keeps
 dense attention KV for cached prefixes and recurrent states only at sparse positions. Here the cached
 prefixes form one radix tree (SGLang's RadixAttention layout): every node owns the KV of its edge's
 tokens — one copy of a document however many requests extend it — and recurrent states attach to

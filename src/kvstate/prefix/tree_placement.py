@@ -1,4 +1,4 @@
-"""Checkpoint placement over a prefix *tree* with one shared slot budget — beyond seed 000.
+"""Checkpoint placement over a prefix *tree* with one shared slot budget — beyond the sparse prefix caching paper.
 
 Seed 000 places ``M`` recurrent-state checkpoints inside one prefix and names general prefix trees as
 open work. Here the cached prefixes form a radix tree and one budget is shared by all of it.

@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt
 
 from kvstate.report.html import Figure, HeadlineRow, Section, Table
 
+PAPER = "Stochastic KV routing: Random Cross-Layer Attention (R-CLA) for adaptive depth-wise KV cache sharing"
+
 EVAL_FILE = "depth_eval.json"
 TECH = "depth (cross-layer KV sharing, R-CLA)"
 # model directory -> curve label; the R-CLA models are found by prefix
@@ -160,7 +162,7 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
 def build(out_dir: Path, models_dir: Path) -> Section:
     res = load_results(models_dir)
     if not res:
-        return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA",
+        return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER,
                        intro=f"No {EVAL_FILE} under {models_dir}/; run kvstate depth eval --out.")
     table = Table("Sharing patterns per model", ["model", "keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"],
                   [[LABELS[n], r["keep"], r["pattern"], r["ppl"], r["score"], r["kv_bytes_per_token"], r["decode_tok_s"]]
@@ -170,5 +172,5 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "same steps and batches with R-CLA, without routing (control) and with the fixed CLA2 pattern "
              "(specialist); no deeper model was trained from scratch. Numbers are read from the committed "
              f"{EVAL_FILE} files (kvstate depth eval --n 10); the learning curves are in the model cards.")
-    return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", intro=intro, tables=[table],
+    return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER, intro=intro, tables=[table],
                    figures=[_figure(res, out_dir), *filter(None, [_curves(models_dir, out_dir)])], summary={"results": res}, headline=headline(res))

@@ -19,6 +19,8 @@ import numpy as np
 
 from kvstate.report.html import HeadlineRow, Section, Table
 
+PAPER = "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"
+
 TECH = "position (sparse prefix caching, online)"
 LIVE_REQUESTS, LIVE_SCALE = 10, 0.04
 
@@ -95,6 +97,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         return Section(
             key="prefix_replay",
             title="Position: the prefix cache served online (trace replay on ref-hybrid)",
+            paper=PAPER,
             intro=f"No reference model at {models_dir / 'ref-hybrid'}: nothing to replay.",
             headline=[
                 HeadlineRow(
@@ -227,6 +230,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     return Section(
         key="prefix_replay",
         title="Position: the prefix cache served online (trace replay on ref-hybrid)",
+        paper=PAPER,
         intro=(
             "Requests are served one at a time by SparsePrefixCache: one transaction per request (match, record "
             "the true overlap, pin, plan before the pass; insert, charge, evict after), one copy of each "

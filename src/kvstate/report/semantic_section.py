@@ -24,6 +24,8 @@ import matplotlib.pyplot as plt
 
 from kvstate.report.html import Figure, HeadlineRow, Section, Table
 
+PAPER = "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory"
+
 TECH = "resolution (SEKV)"
 STRONG = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_4q")
 WEAK = ("vt", "fwe", "cwe", "qa")
@@ -142,7 +144,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     src = models_dir / "ref-attn-sekv"
     main, sweep = _load(src / "eval.json"), _load(src / "eval_sweep.json")
     if main is None:
-        return Section("semantic", "Resolution: SEKV semantic KV cache (seed 002)",
+        return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER,
                        intro=f"No results at {src / 'eval.json'}; run `kvstate semantic eval --model models/ref-attn "
                              "--json --save models/ref-attn-sekv/eval.json`.",
                        headline=[HeadlineRow(TECH, "SEKV benchmark", "not run", None)])
@@ -264,7 +266,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     not_run = main.get("kvpress", {}).get("not_run", {})
     if not_run:
         tables.append(Table("kvpress presses not run", ["press", "why"], [[k, v] for k, v in not_run.items()]))
-    return Section("semantic", "Resolution: SEKV semantic KV cache (seed 002)", intro=intro, tables=tables,
+    return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER, intro=intro, tables=tables,
                    figures=[fig] if fig else [],
                    summary={"avg_needle_accuracy_25": {m: _avg(main["results"], m, None if m == "full" else MAIN_BUDGET,
                                                                avg_tasks) for m in methods},

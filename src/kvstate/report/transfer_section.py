@@ -24,6 +24,8 @@ import matplotlib.pyplot as plt
 
 from kvstate.report.html import Figure, HeadlineRow, Section, Table
 
+PAPER = "Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching"
+
 CODEC = "codec-ref-attn-ft"
 TECHNIQUE = "across models (SCD)"
 COMMAND = ("kvstate transfer bench --producer models/ref-attn --consumer models/ref-attn-ft "
@@ -76,7 +78,7 @@ def pareto_figure(bench: dict[str, Any], out_dir: Path) -> Figure:
 
 def build(out_dir: Path, models_dir: Path) -> Section:
     path = models_dir / CODEC / "bench.json"
-    sec = Section("transfer", "Across models: Semantic Cache Distillation")
+    sec = Section("transfer", "Across models: Semantic Cache Distillation", paper=PAPER)
     if not path.is_file():
         sec.intro = f"No benchmark at {path}; produce it with `{COMMAND}`."
         sec.headline = [HeadlineRow(TECHNIQUE, "SCD targets", f"not measured: {path} missing", None)]

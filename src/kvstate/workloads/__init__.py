@@ -1,6 +1,6 @@
 """kvstate.workloads — deterministic request streams and synthetic tasks (no downloads).
 
-- :mod:`kvstate.workloads.traces`: overlap request streams shaped like seed 000's workloads, JSONL traces.
+- :mod:`kvstate.workloads.traces`: overlap request streams shaped like the sparse prefix caching paper's workloads, JSONL traces.
 - :mod:`kvstate.workloads.language`, :mod:`~kvstate.workloads.tasks`, :mod:`~kvstate.workloads.tokenizer`:
   the synthetic language, RULER-shaped tasks and word-level tokenizer the reference models use.
 """

@@ -1,9 +1,9 @@
 """Retrieval drills: training rows that ask for *every* needle of a needle document, one after another.
 
-A training-only companion of :mod:`kvstate.workloads.tasks` for the reference models of issue 4. A RULER
+A training-only companion of :mod:`kvstate.workloads.tasks` for the reference models (``models/README.md``). A RULER
 ``niah_multikey`` row teaches key selection with one answer per ~1K tokens of prose; at 1K tokens and a
 4K-token batch that is three or four retrievals per optimizer step, and the 4-layer attention model sat
-at chance on multi-key selection for 100 minutes (issue 4 note). A drill row holds a document with ``k``
+at chance on multi-key selection for 100 minutes (``models/ref-attn/README.md``). A drill row holds a document with ``k``
 needles (``the secret code of <name> is <digits> .``, same generator and filler as ``niah_multikey``)
 followed by ``k`` question/answer pairs in a random order::
 

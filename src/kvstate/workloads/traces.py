@@ -1,4 +1,4 @@
-"""Deterministic request streams shaped like seed 000's workloads, and the JSONL trace format.
+"""Deterministic request streams shaped like the workloads of "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving", and the JSONL trace format.
 
 Real prefix overlaps are bimodal — none, or up to the document / system-prompt boundary — and that is
 what makes distribution-aware checkpoint placement pay off. Generators (seeded, token ids drawn from
