@@ -2,7 +2,8 @@
 
 The store holds E entries of L tokens that share only a BOS token (the worst case for the old per-entry
 histograms: every request overlapped every entry). Each timed request is one transaction — ``begin``
-(match, record, plan on the request's path) and ``commit`` (insert, charge, evict under the budget) —
+(match, record, plan on the request's path, or with ``placement="tree"`` re-plan its bounded subtree
+when it drifted) and ``commit`` (insert, charge, evict under the budget) —
 for a new document, or for a new question on a stored document. Prints a table, then one JSON line.
 """
 
@@ -20,11 +21,13 @@ from kvstate.prefix.store import PrefixStore, StoreConfig
 ALIGN, SLOTS = 64, 8
 
 
-def _store(budget: int) -> PrefixStore:
+def _store(budget: int, placement: str = "path") -> PrefixStore:
     def plan(w: np.ndarray, n: int) -> list[int]:
         return [] if n <= ALIGN else plan_checkpoints(w, SLOTS, "optimal", ALIGN)
 
-    cfg = StoreConfig(budget, SLOTS, checkpoint_bytes=1000, kv_bytes_per_token=1, logits_bytes=10)
+    cfg = StoreConfig(
+        budget, SLOTS, checkpoint_bytes=1000, kv_bytes_per_token=1, logits_bytes=10, placement=placement, align=ALIGN
+    )
     return PrefixStore(cfg, plan, splitter=lambda kv, k: (None, None))
 
 
@@ -36,10 +39,10 @@ def _serve(store: PrefixStore, tokens: tuple[int, ...]) -> None:
     store.commit(txn, dict.fromkeys(txn.capture), lambda a, b: None, None)
 
 
-def run(entries: int, length: int, requests: int, seed: int = 0) -> dict[str, float]:
+def run(entries: int, length: int, requests: int, seed: int = 0, placement: str = "path") -> dict[str, float]:
     rng = np.random.default_rng(seed)
     docs = [(1, *map(int, rng.integers(2, 50_000, length - 1))) for _ in range(entries)]
-    store = _store(budget=10**15)
+    store = _store(budget=10**15, placement=placement)
     for d in docs:
         _serve(store, d)
     new_doc, question = [], []
@@ -54,6 +57,7 @@ def run(entries: int, length: int, requests: int, seed: int = 0) -> dict[str, fl
         _serve(store, q)
         question.append(time.perf_counter() - t0)
     return {
+        "placement": placement,
         "entries": entries,
         "tokens_per_entry": length,
         "new_document_ms": 1e3 * statistics.median(new_doc),
@@ -63,11 +67,11 @@ def run(entries: int, length: int, requests: int, seed: int = 0) -> dict[str, fl
 
 
 def main() -> None:
-    rows = [run(e, 4096, 20) for e in (100, 1000)]
-    print(f"{'entries':>8} {'tokens':>7} {'new doc ms':>11} {'question ms':>12} {'nodes':>7}")
+    rows = [run(e, 4096, 20, placement=p) for p in ("path", "tree") for e in (100, 1000)]
+    print(f"{'placement':>9} {'entries':>8} {'tokens':>7} {'new doc ms':>11} {'question ms':>12} {'nodes':>7}")
     for r in rows:
         print(
-            f"{r['entries']:>8} {r['tokens_per_entry']:>7} {r['new_document_ms']:>11.2f} "
+            f"{r['placement']:>9} {r['entries']:>8} {r['tokens_per_entry']:>7} {r['new_document_ms']:>11.2f} "
             f"{r['question_ms']:>12.2f} {r['nodes']:>7}"
         )
     print(json.dumps({"benchmark": "prefix_store", "rows": rows, "target_ms": 5.0}))

@@ -97,6 +97,8 @@ class SparsePrefixCache:
                 policy=Policy(cfg.policy),
                 alpha=cfg.alpha,
                 flops_per_token=2.0 * n_params,
+                placement=cfg.placement,
+                align=self.align,
             ),
             planner=self._plan,
             splitter=split_segment,
