@@ -9,6 +9,10 @@ document's third question resumes.
 Writes ``models/ref-hybrid/prefix_replay.json`` (read by the report's replay section) unless
 ``--no-write``; prints a table, then one JSON line. Usage:
 ``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--no-write]``.
+
+``--placement path tree [--workloads quality system_prompts] [--budget B] [--no-baseline]`` compares
+tree placement (exact DP over the radix tree) with per-path placement at the same byte budget instead
+(planner ``optimal``; nothing written; the JSON line lists one row per workload and placement).
 """
 
 from __future__ import annotations
@@ -65,15 +69,60 @@ def run_twelve(model, vocab: int) -> dict[str, object]:  # type: ignore[no-untyp
     }
 
 
+def compare_placement(model, vocab: int, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    """Tokens reused by tree vs per-path placement at the same byte budget, same trace, planner optimal."""
+    rows = []
+    print(
+        f"{'workload':>15} {'placement':>9} {'reqs':>5} {'total':>8} {'reused':>8} {'lost':>7} {'peak MB':>8} "
+        f"{'ev.nodes':>8} {'ev.states':>9} {'wall s':>7}"
+    )
+    for name in args.workloads:
+        n = max(20, args.requests // 4) if name == "narrativeqa" else args.requests
+        scale = args.scale / 2 if name == "narrativeqa" else args.scale
+        reqs = generate(name, n, seed=0, vocab=vocab, scale=scale)
+        for placement in args.placement:
+            cfg = PrefixCacheConfig(args.budget, args.slots, "optimal", placement=placement)
+            r = replay(model, reqs, cfg, no_cache_baseline=not args.no_baseline)
+            rows.append({"workload": name, **r.as_json()})
+            print(
+                f"{name:>15} {placement:>9} {r.requests:>5} {r.tokens_total:>8} {r.tokens_reused:>8} "
+                f"{r.tokens_lost:>7} {r.peak_bytes / 2**20:>8.1f} {r.evicted_nodes:>8} {r.evicted_states:>9} "
+                f"{r.wall_s:>7.1f}",
+                flush=True,
+            )
+    cmd = "python benchmarks/prefix_replay.py --placement " + " ".join(args.placement)
+    print(
+        json.dumps(
+            {
+                "benchmark": "prefix_replay_placement",
+                "model": str(MODEL),
+                "budget_bytes": args.budget,
+                "slots": args.slots,
+                "scale": args.scale,
+                "command": cmd,
+                "results": rows,
+            }
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--scale", type=float, default=0.125)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--placement", nargs="+", choices=["path", "tree"], default=None)
+    ap.add_argument("--workloads", nargs="+", default=["quality", "narrativeqa", "system_prompts", "chat"])
+    ap.add_argument("--budget", type=int, default=BUDGET)
+    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache prefills (faster)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = load_model(MODEL)
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    if args.placement:
+        compare_placement(model, vocab, args)
+        return
     workloads = {
         "quality": generate("quality", args.requests, seed=0, vocab=vocab, scale=args.scale),
         "narrativeqa": generate(

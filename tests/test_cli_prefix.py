@@ -163,3 +163,17 @@ def test_plan_starts_without_torch_or_transformers(tmp_path):
         line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time")
     }
     assert res.returncode == 0 and "numpy" in loaded and not loaded & {"torch", "transformers"}
+
+
+def test_replay_with_tree_placement(model_dir, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    doc = list(range(3, 43))
+    prompts = [(*doc, 100 + i, 110 + i) for i in range(3)]
+    write_trace(trace, [Request(tokens=p, prefix_id=None, overlap=0, length=len(p)) for p in prompts])
+    args = ["prefix", "replay", "--model", str(model_dir), "--trace", str(trace), "--budget-bytes", str(64 << 20)]
+    args += ["--slots", "2", "--planner", "optimal", "--align", "8", "--placement", "tree", "--no-baseline", "--json"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    (r,) = json.loads(res.output.strip().splitlines()[-1])["results"]
+    # the second question resumes from the first's evenly spread checkpoint at 32, the third from 40 (the document)
+    assert r["placement"] == "tree" and r["tokens_reused"] == 32 + 40 and r["tokens_lost"] == 8

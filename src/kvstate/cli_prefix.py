@@ -61,6 +61,9 @@ def replay_command(
         int | None, typer.Option("--align", help="Checkpoint grid (default: chunk size).")
     ] = None,
     policy: Annotated[str, typer.Option("--policy", help="lru or utility.")] = "lru",
+    placement: Annotated[
+        str, typer.Option("--placement", help="path (one plan per request path) or tree (exact DP over the radix tree).")
+    ] = "path",
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the no-cache timing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line last.")] = False,
 ) -> None:
@@ -77,7 +80,9 @@ def replay_command(
         if limit < 1:
             raise KVStateError(f"--limit {limit} must be >= 1.")
         requests = requests[:limit]
-    configs = [PrefixCacheConfig(budget_bytes, m, p, align, policy) for p in planner for m in slots]
+    configs = [
+        PrefixCacheConfig(budget_bytes, m, p, align, policy, placement=placement) for p in planner for m in slots
+    ]
     model = load_model(model_dir)
     results = []
     base: list[float] | None = None  # the no-cache pass runs once; later rows reuse its times
@@ -113,7 +118,7 @@ def replay_command(
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
-            r.planner,
+            r.planner if r.placement == "path" else f"{r.planner} ({r.placement})",
             str(r.slots),
             f"{r.tokens_reused:,}",
             f"{r.predicted_reused:,}",

@@ -1,4 +1,4 @@
-"""The prefix cache's one configuration (pure): budget, slots, planner, eviction policy, state device.
+"""The prefix cache's one configuration (pure): budget, slots, planner, placement, eviction policy, state device.
 
 Sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"); see
 ``docs/techniques.md``. Validated on construction with messages naming the field and the allowed range.
@@ -24,6 +24,7 @@ class PrefixCacheConfig:
     alpha: float = 1.0  # utility policy weight of recompute FLOPs saved per byte
     block_size: int = 64  # the "block" planner's spacing
     state_device: str | None = None  # keep stored tensors here (e.g. "cpu" for a RAM tier); None: the model's
+    placement: str = "path"  # "path": `planner` on each request's path; "tree": exact DP over a bounded subtree
 
     def __post_init__(self) -> None:
         # type and range first: a NaN budget never evicts, a True slot count slips through int()
@@ -37,3 +38,7 @@ class PrefixCacheConfig:
             check_int("align", self.align, 1, 2**31 - 1, error=KVStateError, hint="; None uses the model's chunk size")
         check_float("alpha", self.alpha, 0.0, 1e12, error=KVStateError)
         check_int("block_size", self.block_size, 1, 2**31 - 1, error=KVStateError)
+        if self.placement not in ("path", "tree"):
+            raise KVStateError(
+                f"placement={self.placement!r} is not one of ['path', 'tree'] ('tree': exact placement over the radix tree)."
+            )

@@ -67,12 +67,13 @@ class SparsePrefixCache:
         alpha: float = 1.0,
         block_size: int = 64,
         state_device: str | None = None,
+        placement: str = "path",
     ) -> None:
         cfg = (
             budget_bytes
             if isinstance(budget_bytes, PrefixCacheConfig)
             else PrefixCacheConfig(
-                budget_bytes, slots_per_entry, planner, align, policy, alpha, block_size, state_device
+                budget_bytes, slots_per_entry, planner, align, policy, alpha, block_size, state_device, placement
             )
         )
         self.config = cfg
@@ -97,6 +98,8 @@ class SparsePrefixCache:
                 policy=Policy(cfg.policy),
                 alpha=cfg.alpha,
                 flops_per_token=2.0 * n_params,
+                placement=cfg.placement,
+                align=self.align,
             ),
             planner=self._plan,
             splitter=split_segment,

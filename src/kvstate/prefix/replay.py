@@ -52,6 +52,7 @@ class ReplayResult:
     wall_s_no_cache: float  # one plain prefill per request
     saved_r2: float  # R² of per-request wall-clock saved against tokens reused (linear fit)
     per_request: list[dict[str, float]] = field(default_factory=list, repr=False)
+    placement: str = "path"  # "path" (one plan per request path) or "tree" (exact DP over the radix tree)
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -179,6 +180,7 @@ def replay(
     saved = [r["wall_s_no_cache"] - r["wall_s"] for r in rows]
     return ReplayResult(
         planner=config.planner,
+        placement=config.placement,
         slots=config.slots_per_entry,
         budget_bytes=config.budget_bytes,
         requests=m.requests,

@@ -34,7 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvstate.errors import BudgetError
+from kvstate.prefix import tree_plan
 from kvstate.prefix.eviction import Policy, Unit, eviction_order
+from kvstate.prefix.tree_plan import TreeLimits
 
 FloatArray = npt.NDArray[np.float64]
 Planner = Callable[[FloatArray, int], list[int]]  # (weights over depths 0..n, n) → positions in 1..n
@@ -65,6 +67,9 @@ class Node:
     sub_mass: float = 0.0  # mass on this node and below
     pins: int = 0  # in-flight transactions and user pins
     last_access: int = 0
+    planned: set[int] = field(default_factory=set)  # tree placement: planned checkpoint positions on the edge
+    plan_sub: float | None = None  # tree placement: sub_mass when last planned (None: never, or cut since)
+    plan_own: float = 0.0  # tree placement: own mass when last planned
 
     @property
     def top(self) -> int:
@@ -90,6 +95,7 @@ class Txn:
     state: Any  # recurrent payload at hit.position (None: none needed or attention-only)
     logits: Any  # stored logits for a full hit (else None)
     pinned: Node | None
+    replanned: bool = False  # tree placement: this request re-planned its subtree
 
 
 @dataclass(frozen=True)
@@ -132,8 +138,15 @@ class StoreConfig:
     policy: Policy = Policy.LRU
     alpha: float = 1.0  # utility policy weight of FLOP efficiency
     flops_per_token: float = 1.0
+    placement: str = "path"  # "path": line planner per request path; "tree": exact DP over a subtree
+    align: int = 1  # checkpoint grid of the tree placement (the path planner aligns itself)
+    tree: TreeLimits = field(default_factory=TreeLimits)  # caps of the tree placement (see tree_plan.py)
 
     def __post_init__(self) -> None:
+        if self.placement not in ("path", "tree"):
+            raise BudgetError(f"placement={self.placement!r} must be 'path' or 'tree'.")
+        if self.align < 1:
+            raise BudgetError(f"align={self.align} must be >= 1.")
         if self.slots_per_entry < 0:
             raise BudgetError(f"slots_per_entry={self.slots_per_entry} must be >= 0.")
         if self.budget_bytes <= 0:
@@ -293,6 +306,32 @@ class PrefixStore:
             last = path[-1]
             last.mass[t] = last.mass.get(t, 0.0) + 1.0
 
+    def _new_part(self, t: int, n: int) -> FloatArray:
+        """One pseudo-observation over the request's new part ``(t, n)`` spread like the store's overlaps."""
+        prior = np.zeros(n + 1)
+        for d, m in self._prior.items():
+            if t < d < n:
+                prior[d] += m
+        for k, m in self._tails.items():
+            if t < n - k < n:
+                prior[n - k] += m
+        if prior.sum() <= 0:  # nothing known: spread evenly (as the path planner does)
+            prior[t + 1 : n - 1] = 1.0
+        return prior / prior.sum() if prior.sum() > 0 else prior
+
+    def _tree_plan(self, path: list[Node], t: int, n: int) -> tuple[list[int], bool]:
+        """Tree placement: the standing plan on the path, or a fresh exact plan of its subtree on drift."""
+        c = self.config
+        if not tree_plan.needs_plan(path, t, c.tree.drift):
+            return [p for p in tree_plan.planned_on_path(path, t) if 0 < p < n - 1], False
+        built = self.tree_for(path, t, n)
+        return tree_plan.apply(built, tree_plan.solve(built), t, n), True
+
+    def tree_for(self, path: list[Node], t: int, n: int) -> tree_plan.BuiltTree:
+        """The bounded subtree the tree placement plans for this request (no mutation)."""
+        c = self.config
+        return tree_plan.build(self.root, path, t, n, self._new_part(t, n), c.slots_per_entry, c.align, c.tree)
+
     # -- the transaction -------------------------------------------------------------------------
     def begin(self, tokens: tuple[int, ...], serving: bool = True) -> Txn:
         """Match, record the overlap, pin, plan; see the module docstring. ``serving=False`` (an insert of
@@ -306,8 +345,12 @@ class PrefixStore:
             self._observe(path, t, n)
         hit = self._hit(path, t, n)
         plan: list[int] = []
+        replanned = False
         if self.config.has_recurrent and self.config.slots_per_entry > 0 and n > 2:
-            plan = [p for p in self._planner(self._path_weights(path, t, n), n) if 0 < p < n - 1]
+            if self.config.placement == "tree":
+                plan, replanned = self._tree_plan(path, t, n)
+            else:
+                plan = [p for p in self._planner(self._path_weights(path, t, n), n) if 0 < p < n - 1]
         capture: set[int] = set()
         if not hit.full:
             for p in plan:
@@ -343,6 +386,7 @@ class PrefixStore:
             state,
             path[-1].logits[n] if hit.full else None,
             pinned,
+            replanned,
         )
         self._open[txn.id] = txn
         if not serving:
@@ -401,6 +445,11 @@ class PrefixStore:
             (p for p in existing if p not in txn.plan), key=lambda p: self._state_clock(path, p)
         )
         trim = unplanned[: max(over, 0)]
+        if c.placement == "tree":  # planned states stay; unplanned ones go (oldest first) past the path's share
+            keep = [p for p in unplanned if any(p in v.planned for v in path if v.top < p <= v.depth)]
+            planned_here = len(existing) - len(unplanned) + len(keep) + len(new_states.keys() - ends)
+            over = len(existing) + len(new_states.keys() - ends) - max(c.slots_per_entry, planned_here)
+            trim = [p for p in unplanned if p not in keep][: max(over, 0)]
         base = ((length - t) * c.kv_bytes_per_token if c.has_attention else 0) + (
             c.logits_bytes if add_logits else 0
         )
@@ -418,6 +467,9 @@ class PrefixStore:
         self._evict(victims)
         leaf = self._insert_path(tokens, kv)
         path, _ = self._walk(tokens)
+        if c.placement == "tree" and leaf is not None and leaf.plan_sub is None and txn.replanned:
+            leaf.planned = {p for p in txn.plan if leaf.top < p <= leaf.depth}  # the virtual leaf's points
+            leaf.plan_sub, leaf.plan_own = leaf.sub_mass, sum(leaf.mass.values())
         for p, payload in new_states.items():
             v = next(u for u in path if u.top < p <= u.depth)
             if p in v.states:
@@ -476,6 +528,9 @@ class PrefixStore:
             src = getattr(child, name)
             setattr(mid, name, {p: x for p, x in src.items() if p <= cut})
             setattr(child, name, {p: x for p, x in src.items() if p > cut})
+        mid.planned = {p for p in child.planned if p <= cut}
+        child.planned = {p for p in child.planned if p > cut}
+        child.plan_sub = None  # both halves re-plan when a request next passes them
         child.sub_mass -= sum(mid.mass.values())
         parent.children[child.edge[0]] = mid
         child.edge = child.edge[k:]
