@@ -171,11 +171,18 @@ class ServerThread:
         async def stop() -> None:
             self._server.close()
             await self._server.wait_closed()
+            # connection handlers outlive the listening socket: end them while the loop still runs
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in handlers:
+                t.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
         if self._error is None:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 def parse_address(server: str) -> tuple[str, int]:
