@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kvstate.cli import app
@@ -111,4 +110,3 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
     finally:
         srv.terminate()
         srv.wait(10)
-    assert torch.get_num_threads() >= 1
