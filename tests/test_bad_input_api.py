@@ -150,7 +150,8 @@ def test_manifest_and_header_checks(tmp_path, trained):
         verify_manifest(tmp_path / "m")
     weights.write_bytes(raw)
     write_manifest(tmp_path / "m")
-    assert load_model(tmp_path / "m") is not None
+    model, saved = load_model(tmp_path / "m"), load_file(weights)
+    assert saved and all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())  # loads what was written
     (tmp_path / "m" / "manifest.json").unlink()
     with pytest.raises(IntegrityError, match=r"no manifest\.json"):
         verify_manifest(tmp_path / "m", required=True)

@@ -102,11 +102,18 @@ def test_every_preset_is_valid_and_keeps_what_it_says(name):
         assert p.validate(layers) is p and math.isclose(kept_fraction(p, layers), m / n_attn)
     for k in (1, 2, 3):
         cla(layers, k).validate(layers)
+    attn = [i for i, s in enumerate(layers) if s.kind != "recurrent"]
     for m in range(groups, n_attn + 1):
+        shared = set(attn[m:])  # the top n_attn - m attention layers
+        whole_group_shared = any(all(i in shared for i in attn if layers[i].group == g)
+                                 for g in {layers[i].group for i in attn})
         try:
             top_shared(layers, n_attn - m).validate(layers)
+            refused = False
         except PatternError as exc:  # only when a group's layers would all be shared
             assert "no earlier owner" in str(exc)
+            refused = True
+        assert refused == whole_group_shared, (m, shared)
 
 
 def test_unrealisable_keep_fractions():

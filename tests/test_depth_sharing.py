@@ -122,12 +122,15 @@ def test_routing_gradients_flow_and_draws_follow_p(model):
                 routing._draw()  # the same draws a forward pass makes, without the compute
             loss = model(_ids(8), labels=_ids(8)).loss
             loss.backward()
+            grads = [layer.self_attn.k_proj.weight.grad for layer in model.model.layers]
     finally:
         model.eval()
         model.zero_grad(set_to_none=True)
     own = [sum(d.is_owner(i) for d in routing.draws[:300]) / 300 for i in range(len(specs))]
     assert own[0] == 1.0 and all(abs(o - 0.6) < 4 * (0.24 / 300) ** 0.5 for o in own[1:]), own
-    assert torch.isfinite(loss)
+    assert torch.isfinite(loss) and len(routing.draws) == 301  # the forward pass drew its own pattern
+    last = routing.draws[-1]
+    assert all((g is not None and bool(g.abs().sum() > 0)) == last.is_owner(i) for i, g in enumerate(grads))
 
 
 def test_hooks_are_removed_on_exceptions(model):

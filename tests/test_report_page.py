@@ -101,7 +101,7 @@ def test_pivot_and_pct():
 
 def test_palette_is_fixed_for_known_and_stable_for_new_names():
     assert plots.color("optimal") == plots.PALETTE["optimal"]
-    assert plots.color("some new method") == plots.color("some new method")
+    assert plots.color("some new method") == "#bcbd22" in plots._BASE  # crc32, not hash(): the same in every run
     assert plots.color("optimal") != plots.color("block")
 
 

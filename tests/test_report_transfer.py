@@ -46,8 +46,6 @@ def test_missing_bench_names_the_command(tmp_path: Path) -> None:
 
 
 def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
-    import torch
-
     from kvstate.models.tiny import tiny_model
     from kvstate.transfer.card import consumer_card
 
@@ -62,4 +60,4 @@ def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
     card = consumer_card(tmp_path / "ft", tmp_path / "base", tmp_path / "m" / CODEC / "bench.json", "kvstate train ...")
     assert "4 steps, 1.00 M tokens, 2.0 min" in card and "| 12 | 1.5 | 1.250 | 1.00 |" in card
     assert "| **mean score** | **0.800** | **0.500** |" in card and "kvstate train ..." in card
-    assert "| attention q/k/v/o |" in card and torch.get_num_threads() >= 1
+    assert "| attention q/k/v/o |" in card

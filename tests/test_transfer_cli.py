@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from kvstate.cli import app
+from kvstate.errors import KVStateError
 from kvstate.models.tiny import tiny_model
 from kvstate.workloads.tokenizer import build_tokenizer
 
@@ -107,8 +107,8 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
         assert out["new_tokens"] >= 1 and out["payload_bytes"] > 0 and out["prompt_tokens"] >= 2
         # a consumer whose codec is for another pair is refused by fingerprint
         bad = CliRunner().invoke(app, [*args[:2], "--consumer", str(p), *args[4:]])
-        assert bad.exit_code != 0
+        assert bad.exit_code != 0 and isinstance(bad.exception, KVStateError)
+        assert "calibrated for another consumer (fingerprint" in str(bad.exception), bad.output
     finally:
         srv.terminate()
         srv.wait(10)
-    assert torch.get_num_threads() >= 1

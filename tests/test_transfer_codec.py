@@ -170,9 +170,14 @@ def test_save_load_round_trip(tmp_path, pair: tuple) -> None:  # type: ignore[no
 def test_generate_continues_a_decoded_cache(producer: torch.nn.Module, self_codec: Codec) -> None:
     ids = _prompts(1, 30, seed=15)[0]
     cache = self_codec.decode(producer, self_codec.encode(producer, ids[:, :-1]))
-    got = producer.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
-    ref = producer.generate(ids, max_new_tokens=6, do_sample=False)
-    assert torch.equal(got, ref)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              attention_mask=torch.ones_like(ids))  # ids may hold a pad id: never masked
+    got = producer.generate(ids, cache=cache, **kw)
+    ref = producer.generate(ids, **kw)
+    a, b = torch.stack(got.scores, 1), torch.stack(ref.scores, 1)  # (1, 6, V); -inf where EOS is banned
+    finite = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), finite) and float((a[finite] - b[finite]).abs().max()) < 1e-4
+    assert torch.equal(got.sequences, ref.sequences)
 
 
 @pytest.mark.parametrize("method", ["raw", "droidspeak"])
