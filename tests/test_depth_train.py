@@ -55,6 +55,7 @@ def test_depth_train_bad_input(start, tmp_path):
 
 WORKER = textwrap.dedent("""
     import json, sys
+    from pathlib import Path
     import torch, torch.distributed as dist
     import kvstate.depth.training as T
 
@@ -77,9 +78,10 @@ WORKER = textwrap.dedent("""
     gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     dist.destroy_process_group()
-    print("RESULT", json.dumps({"rank": rank, "draws": state["depth"]["parts"][-1]["draw_counts"],
-                                "curve": [c["loss"] for c in state["curve"]],
-                                "sync": float((gathered[0] - gathered[1]).abs().max())}))
+    # one file per rank: two processes printing to one pipe can interleave their lines
+    Path(sys.argv[2] + f".result-{rank}.json").write_text(json.dumps({
+        "rank": rank, "draws": state["depth"]["parts"][-1]["draw_counts"],
+        "curve": [c["loss"] for c in state["curve"]], "sync": float((gathered[0] - gathered[1]).abs().max())}))
 """)
 
 
@@ -93,7 +95,7 @@ def test_two_process_ddp_loss_falls_and_ranks_stay_in_sync(start, tmp_path):
                            str(worker), str(start), str(out), json.dumps(FAST)],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("ddp.result-*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert results[0]["draws"] != results[1]["draws"]  # each rank draws its own routes
     curve = next(r["curve"] for r in results if r["rank"] == 0)
