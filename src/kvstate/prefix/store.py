@@ -26,138 +26,26 @@ locks around each verb.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from kvstate.errors import BudgetError
-from kvstate.prefix import tree_plan
-from kvstate.prefix.eviction import Policy, Unit, eviction_order
-from kvstate.prefix.tree_plan import TreeLimits
+from kvstate.prefix.store_eviction import TreeEviction
+from kvstate.prefix.store_learning import OverlapLearning
+from kvstate.prefix.store_types import (
+    Hit,
+    KVSource,
+    Node,
+    Planner,
+    Splitter,
+    State,
+    StoreConfig,
+    StoreMetrics,
+    Txn,
+)
 
-FloatArray = npt.NDArray[np.float64]
-Planner = Callable[[FloatArray, int], list[int]]  # (weights over depths 0..n, n) → positions in 1..n
-Splitter = Callable[[Any, int], tuple[Any, Any]]  # (KV payload of an edge, k) → (first k tokens, the rest)
-KVSource = Callable[[int, int], Any]  # (start, end) absolute → KV payload of those tokens
-
-
-@dataclass(eq=False)
-class State:
-    payload: Any  # opaque recurrent state after ``position`` tokens
-    last_access: int
-    end: bool  # stored at a request's end (restored by full hits): never takes a planner slot
-
-
-@dataclass(eq=False)
-class Node:
-    id: int
-    edge: tuple[int, ...]  # tokens on the edge from the parent
-    depth: int  # absolute depth at the end of the edge
-    parent: Node | None
-    kv: Any = None  # opaque KV of the edge's tokens (None without attention layers)
-    children: dict[int, Node] = field(default_factory=dict)
-    states: dict[int, State] = field(default_factory=dict)  # absolute position in (top, depth] → state
-    logits: dict[int, Any] = field(
-        default_factory=dict
-    )  # absolute depth in (top, depth] → last-position logits
-    mass: dict[int, float] = field(default_factory=dict)  # observed overlaps ending at depth in (top, depth]
-    sub_mass: float = 0.0  # mass on this node and below
-    pins: int = 0  # in-flight transactions and user pins
-    last_access: int = 0
-    planned: set[int] = field(default_factory=set)  # tree placement: planned checkpoint positions on the edge
-    plan_sub: float | None = None  # tree placement: sub_mass when last planned (None: never, or cut since)
-    plan_own: float = 0.0  # tree placement: own mass when last planned
-
-    @property
-    def top(self) -> int:
-        return self.depth - len(self.edge)
-
-
-@dataclass(frozen=True)
-class Hit:
-    position: int  # restore the state after this many tokens (0: nothing usable)
-    overlap: int  # tokens the request shares with the tree
-    lost: int  # tokens the KV covered but no recurrent state did
-    full: bool  # the whole request is stored with its logits: nothing to compute
-
-
-@dataclass(frozen=True)
-class Txn:
-    id: int
-    tokens: tuple[int, ...]
-    hit: Hit
-    capture: tuple[int, ...]  # positions in (hit.position, n) whose state this pass must capture
-    plan: tuple[int, ...]  # the planned checkpoint positions on the request's path (slots)
-    kv: tuple[tuple[Any, int], ...]  # (edge KV payload, tokens of it to use) from the root to hit.position
-    state: Any  # recurrent payload at hit.position (None: none needed or attention-only)
-    logits: Any  # stored logits for a full hit (else None)
-    pinned: Node | None
-    replanned: bool = False  # tree placement: this request re-planned its subtree
-
-
-@dataclass(frozen=True)
-class StoreMetrics:
-    """An immutable snapshot of the store's counters (``PrefixStore.metrics()``)."""
-
-    requests: int = 0
-    hits: int = 0
-    tokens_total: int = 0  # prompt tokens of every request
-    tokens_reused: int = 0  # restored instead of computed
-    tokens_recomputed: int = 0
-    tokens_lost_to_missing_checkpoint: int = 0  # the tree held them but no state did
-    evicted_nodes: int = 0
-    evicted_states: int = 0
-    rejected_inserts: int = 0  # commits that could not fit and left the store unchanged
-    bytes_kv: int = 0
-    bytes_checkpoints: int = 0  # planned sparse states
-    bytes_end_states: int = 0
-    bytes_logits: int = 0
-    peak_bytes: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.requests if self.requests else 0.0
-
-    @property
-    def used_bytes(self) -> int:
-        return self.bytes_kv + self.bytes_checkpoints + self.bytes_end_states + self.bytes_logits
-
-
-@dataclass(frozen=True)
-class StoreConfig:
-    budget_bytes: int  # global byte budget over KV, states and logits
-    slots_per_entry: int = 8  # planned checkpoints per request path (end states are extra)
-    checkpoint_bytes: int = 0  # bytes of one recurrent state (0: attention-only model)
-    kv_bytes_per_token: int = 0  # attention KV bytes per token (0: pure SSM)
-    logits_bytes: int = 0  # bytes of one stored last-position logits row
-    has_recurrent: bool = True
-    has_attention: bool = True
-    policy: Policy = Policy.LRU
-    alpha: float = 1.0  # utility policy weight of FLOP efficiency
-    flops_per_token: float = 1.0
-    placement: str = "path"  # "path": line planner per request path; "tree": exact DP over a subtree
-    align: int = 1  # checkpoint grid of the tree placement (the path planner aligns itself)
-    tree: TreeLimits = field(default_factory=TreeLimits)  # caps of the tree placement (see tree_plan.py)
-
-    def __post_init__(self) -> None:
-        if self.placement not in ("path", "tree"):
-            raise BudgetError(f"placement={self.placement!r} must be 'path' or 'tree'.")
-        if self.align < 1:
-            raise BudgetError(f"align={self.align} must be >= 1.")
-        if self.slots_per_entry < 0:
-            raise BudgetError(f"slots_per_entry={self.slots_per_entry} must be >= 0.")
-        if self.budget_bytes <= 0:
-            raise BudgetError(f"budget_bytes={self.budget_bytes} must be positive.")
-        if self.has_recurrent and self.budget_bytes < self.checkpoint_bytes:
-            raise BudgetError(
-                f"budget_bytes={self.budget_bytes:,} is smaller than one recurrent checkpoint, which needs "
-                f"{self.checkpoint_bytes:,} bytes; raise the budget to at least that."
-            )
-        if min(self.checkpoint_bytes, self.kv_bytes_per_token, self.logits_bytes) < 0 or self.alpha < 0:
-            raise BudgetError("checkpoint_bytes, kv_bytes_per_token, logits_bytes and alpha must be >= 0.")
+__all__ = ["Hit", "KVSource", "Node", "Planner", "PrefixStore", "Splitter", "State", "StoreConfig", "StoreMetrics",
+           "Txn"]
 
 
 def _lcp(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
@@ -175,7 +63,7 @@ def _lcp(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
     return lo
 
 
-class PrefixStore:
+class PrefixStore(OverlapLearning, TreeEviction):
     """One radix tree of shared KV and sparse recurrent states under one byte budget (see module doc)."""
 
     def __init__(self, config: StoreConfig, planner: Planner, splitter: Splitter | None = None) -> None:
@@ -265,72 +153,6 @@ class PrefixStore:
         limit = min(t, n - 1)  # the restored cache stops before the last token (generate feeds it)
         pos = limit if not self.config.has_recurrent else self._states_upto(path, limit)
         return Hit(pos, t, limit - pos, False)
-
-    # -- planning --------------------------------------------------------------------------------
-    def _path_weights(self, path: list[Node], t: int, n: int) -> FloatArray:
-        """Overlap mass seen along the request's path: requests ending on it, or branching off it, at depth d."""
-        w = np.zeros(n + 1)
-        w[0] = self.root.sub_mass - sum(v.sub_mass for v in path[:1])
-        for i, v in enumerate(path):
-            own = 0.0
-            for d, m in v.mass.items():
-                w[min(d, t)] += m
-                own += m
-            below = path[i + 1].sub_mass if i + 1 < len(path) else 0.0
-            w[min(v.depth, t)] += max(v.sub_mass - own - below, 0.0)
-        # the request's new part (beyond t) has no history of its own: one pseudo-observation spread like
-        # the store's overlaps, both in absolute depth (system prompts) and as a distance from the request's
-        # end (a document followed by a question: the next question diverges where this one starts)
-        prior = np.zeros(n + 1)
-        for d, m in self._prior.items():
-            if t < d < n:
-                prior[d] += m
-        for k, m in self._tails.items():
-            if t < n - k < n:
-                prior[n - k] += m
-        if prior.sum() > 0:
-            w += prior / prior.sum()
-        elif w[1:].sum() <= 0:
-            w = np.ones(n + 1)  # nothing known at all: spread the checkpoints evenly
-        w[max(n - 1, 0) :] = 0.0  # the end state serves overlaps of n-1 and n for free
-        return w if w.sum() > 0 else np.ones(n + 1)
-
-    def _observe(self, path: list[Node], t: int, n: int) -> None:
-        self._prior[t] = self._prior.get(t, 0.0) + 1.0
-        if t > 0:
-            self._tails[n - t] = self._tails.get(n - t, 0.0) + 1.0
-        self.root.sub_mass += 1.0
-        for v in path:
-            v.sub_mass += 1.0
-        if t > 0:
-            last = path[-1]
-            last.mass[t] = last.mass.get(t, 0.0) + 1.0
-
-    def _new_part(self, t: int, n: int) -> FloatArray:
-        """One pseudo-observation over the request's new part ``(t, n)`` spread like the store's overlaps."""
-        prior = np.zeros(n + 1)
-        for d, m in self._prior.items():
-            if t < d < n:
-                prior[d] += m
-        for k, m in self._tails.items():
-            if t < n - k < n:
-                prior[n - k] += m
-        if prior.sum() <= 0:  # nothing known: spread evenly (as the path planner does)
-            prior[t + 1 : n - 1] = 1.0
-        return prior / prior.sum() if prior.sum() > 0 else prior
-
-    def _tree_plan(self, path: list[Node], t: int, n: int) -> tuple[list[int], bool]:
-        """Tree placement: the standing plan on the path, or a fresh exact plan of its subtree on drift."""
-        c = self.config
-        if not tree_plan.needs_plan(path, t, c.tree.drift):
-            return [p for p in tree_plan.planned_on_path(path, t) if 0 < p < n - 1], False
-        built = self.tree_for(path, t, n)
-        return tree_plan.apply(built, tree_plan.solve(built), t, n), True
-
-    def tree_for(self, path: list[Node], t: int, n: int) -> tree_plan.BuiltTree:
-        """The bounded subtree the tree placement plans for this request (no mutation)."""
-        c = self.config
-        return tree_plan.build(self.root, path, t, n, self._new_part(t, n), c.slots_per_entry, c.align, c.tree)
 
     # -- the transaction -------------------------------------------------------------------------
     def begin(self, tokens: tuple[int, ...], serving: bool = True) -> Txn:
@@ -538,125 +360,6 @@ class PrefixStore:
         child.parent = mid
         mid.children[child.edge[0]] = child
         return mid
-
-    # -- eviction --------------------------------------------------------------------------------
-    def _is_leaf(self, v: Node, gone: set[int]) -> bool:
-        return all(id(u) in gone for u in v.children.values())
-
-    def _units(self, protect: set[int]) -> list[tuple[Unit, Node]]:
-        c = self.config
-        out = []
-        nodes = self.nodes()
-        held: set[int] = set()  # pinned nodes and their ancestors keep their states too
-        for v in nodes:
-            u: Node | None = v if v.pins else None
-            while u is not None and id(u) not in held:
-                held.add(id(u))
-                u = u.parent
-        for v in nodes:
-            for p, s in v.states.items():
-                if id(v) in held:
-                    continue
-                saved = float(p - v.top) * max(v.sub_mass, 0.0)
-                out.append((Unit(v.id, p, c.checkpoint_bytes, s.last_access, saved), v))
-            if id(v) not in protect and v.pins == 0 and not v.children:
-                out.append(
-                    (Unit(v.id, None, self._node_bytes(v), v.last_access, len(v.edge) * v.sub_mass), v)
-                )
-        return out
-
-    def _node_bytes(self, v: Node) -> int:
-        c = self.config
-        kv = len(v.edge) * c.kv_bytes_per_token if c.has_attention else 0
-        return kv + len(v.states) * c.checkpoint_bytes + len(v.logits) * c.logits_bytes
-
-    def _choose_victims(self, need: int, protect: set[int]) -> list[tuple[Unit, Node]] | None:
-        """Units to evict so that ``need`` more bytes fit (no mutation), or None when they cannot."""
-        over = self.used_bytes + need - self.config.budget_bytes
-        if over <= 0:
-            return []
-        units = self._units(protect)
-        order = eviction_order(
-            [u for u, _ in units], self.config.policy, self.config.flops_per_token, self.config.alpha
-        )
-        by_unit = {id(u): v for u, v in units}
-        gone: set[int] = set()  # nodes evicted whole
-        dropped: set[tuple[int, int]] = set()
-        chosen: list[tuple[Unit, Node]] = []
-        freed = 0
-        queue = list(order)
-        i = 0
-        while freed < over and i < len(queue):
-            u = queue[i]
-            i += 1
-            v = by_unit[id(u)]
-            if id(v) in gone:
-                continue
-            if u.position is None:
-                nbytes = self._node_bytes(v) - sum(
-                    self.config.checkpoint_bytes for (nid, _) in dropped if nid == v.id
-                )
-                gone.add(id(v))
-                chosen.append((u, v))
-                freed += nbytes
-                par = v.parent  # a parent left childless becomes an evictable leaf
-                free = par is not None and par is not self.root and id(par) not in protect and par.pins == 0
-                if par is not None and free and self._is_leaf(par, gone):
-                    pu = Unit(par.id, None, self._node_bytes(par), par.last_access, 0.0)
-                    by_unit[id(pu)] = par
-                    queue.insert(i, pu)
-            else:
-                dropped.add((v.id, u.position))
-                chosen.append((u, v))
-                freed += u.nbytes
-        return chosen if freed >= over else None
-
-    def _evict(self, victims: list[tuple[Unit, Node]]) -> None:
-        for u, v in victims:
-            if u.position is None:
-                self._remove_leaf(v)
-            elif u.position in v.states and (v.parent is not None):
-                s = v.states.pop(u.position)
-                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= self.config.checkpoint_bytes
-                self._m["evicted_states"] += 1
-        self._prune_empty()
-
-    def _remove_leaf(self, v: Node) -> None:
-        if v.parent is None or v.parent.children.get(v.edge[0]) is not v:
-            return  # already removed with a subtree
-        c = self.config
-        for u in [v, *self._below(v)]:
-            self._m["bytes_kv"] -= len(u.edge) * c.kv_bytes_per_token if c.has_attention else 0
-            for s in u.states.values():
-                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= c.checkpoint_bytes
-            self._m["bytes_logits"] -= len(u.logits) * c.logits_bytes
-        del v.parent.children[v.edge[0]]
-        anc: Node | None = v.parent
-        while anc is not None:
-            anc.sub_mass -= v.sub_mass
-            anc = anc.parent
-        self._m["evicted_nodes"] += 1
-
-    def _below(self, v: Node) -> list[Node]:
-        out, stack = [], list(v.children.values())
-        while stack:
-            u = stack.pop()
-            out.append(u)
-            stack.extend(u.children.values())
-        return out
-
-    def _prune_empty(self) -> None:
-        """Without attention KV a node is only worth its states: drop unpinned leaves that hold nothing."""
-        if self.config.has_attention:
-            return
-        changed = True
-        while changed:
-            changed = False
-            for v in self.nodes():
-                if not v.children and not v.states and not v.logits and v.pins == 0:
-                    self._remove_leaf(v)
-                    self._m["evicted_nodes"] -= 1  # bookkeeping, not an eviction
-                    changed = True
 
     # -- user pins -------------------------------------------------------------------------------
     def pin(self, tokens: tuple[int, ...]) -> None:
