@@ -5,7 +5,7 @@
 (d) capture overhead: one prefill that ends forward calls at 8 planned, chunk-aligned positions and
     snapshots the state there, vs a plain one-call prefill of the same tokens.
 
-Prints a fixed-width table, then one JSON line (see kvstate.prefix.timing for the method).
+Prints a fixed-width table, then one JSON line (see kvstate.lab.prefix.timing for the method).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from kvstate.prefix.timing import bench_model, measure_engine
+from kvstate.lab.prefix.timing import bench_model, measure_engine
 
 torch.set_num_threads(1)  # one thread: less sensitive to other load on a shared 2-core machine
 

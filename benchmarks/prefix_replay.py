@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
+from kvstate.lab.prefix.replay import replay
+from kvstate.lab.workloads.traces import generate
 from kvstate.models import load_model
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.engine import SparsePrefixCache
-from kvstate.prefix.replay import replay
-from kvstate.workloads.traces import generate
 
 MODEL = Path("models/ref-hybrid")
 BUDGET = 1 << 30

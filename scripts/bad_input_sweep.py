@@ -119,7 +119,7 @@ def model_copy(name: str, edit_weights=None, edit_config=None, raw=None, drop=()
 
 
 def setup() -> None:
-    from kvstate.eval.train import TrainConfig, train
+    from kvstate.lab.training.train import TrainConfig, train
 
     train(TrainConfig(arch="attn", **TINY), ROOT / "tiny", progress=False, log=lambda s: None)
     (ROOT / "w").mkdir()
@@ -363,13 +363,13 @@ def usage_cases() -> None:
 
 
 def api_cases() -> None:
-    from kvstate.eval.harness import check_tasks, run_tasks
-    from kvstate.eval.train import TrainConfig
+    from kvstate.lab.harness import check_tasks, run_tasks
+    from kvstate.lab.training.train import TrainConfig
+    from kvstate.lab.workloads.traces import Request, generate, overlap_weights
     from kvstate.models import describe, load_model, tiny_config, tiny_model
     from kvstate.prefix.engine import SparsePrefixCache
     from kvstate.prefix.histogram import OverlapHistogram, total_variation
     from kvstate.prefix.placement import expected_recompute, plan_checkpoints
-    from kvstate.workloads.traces import Request, generate, overlap_weights
 
     api("plan_checkpoints([1e308]*3, 1, 'block') recompute", lambda: expected_recompute([1e308] * 3, plan_checkpoints([1e308] * 3, 1, "block")),
         check=lambda r: r == 1.0)
@@ -416,7 +416,7 @@ def api_cases() -> None:
     cfg.num_attention_heads = -4
     api("describe(negative heads)", lambda: describe(cfg))
     lm = load_model(ROOT / "tiny")
-    from kvstate.workloads import build_tokenizer
+    from kvstate.lab.workloads import build_tokenizer
     tok = build_tokenizer()
     api("run_tasks(n=0)", lambda: run_tasks(lm, tok, ["niah_single"], [128], 0, 0))
     api("run_tasks(seed=-1)", lambda: run_tasks(lm, tok, ["niah_single"], [128], 1, -1))

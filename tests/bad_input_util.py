@@ -17,11 +17,11 @@ _TRAINED: list[Path] = []
 
 
 def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny attention model saved by ``kvstate.eval.train.train`` (one step), trained once per session.
+    """A tiny attention model saved by ``kvstate.lab.training.train.train`` (one step), trained once per session.
 
     Tests copy it before damaging it; cached here so that every test module using it shares one run.
     """
-    from kvstate.eval.train import TrainConfig, train
+    from kvstate.lab.training.train import TrainConfig, train
 
     if not _TRAINED:
         out = tmp_path_factory.mktemp("trained") / "tiny"

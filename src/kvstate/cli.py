@@ -88,7 +88,7 @@ def report(
     report untouched. A DIR that exists and is not a kvstate report is refused.
     """
     from kvstate.io_safety import check_output_dir
-    from kvstate.report import build_report
+    from kvstate.lab.report.build import build_report
 
     check_output_dir(out, overwrite=True)  # an unwritable --out fails before the sections run
     index = build_report(out, models_dir, only=section or None)
@@ -99,7 +99,7 @@ def report(
 def plan(
     slots: Annotated[int, typer.Option("--slots", help="Checkpoint slots M.")],
     weights: Annotated[Path | None, typer.Option("--weights", help="A .npy of overlap-depth weights (length N+1).")] = None,
-    trace: Annotated[Path | None, typer.Option("--trace", help="A JSONL trace (see kvstate.workloads.traces).")] = None,
+    trace: Annotated[Path | None, typer.Option("--trace", help="A JSONL trace (see kvstate.lab.workloads.traces).")] = None,
     prefix_id: Annotated[str | None, typer.Option("--prefix-id", help="Only this prefix's requests of the trace.")] = None,
     method: Annotated[list[str] | None, typer.Option("--method", help="Methods to compare (default: all).")] = None,
     align: Annotated[int, typer.Option("--align", help="Checkpoints on multiples of this (chunk size).")] = 1,
@@ -109,8 +109,8 @@ def plan(
     """Checkpoint positions and expected recompute per placement method, side by side (sparse prefix caching)."""
     import numpy as np
 
+    from kvstate.lab.workloads.traces import overlap_weights, read_trace
     from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints
-    from kvstate.workloads.traces import overlap_weights, read_trace
 
     if (weights is None) == (trace is None):
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
@@ -181,14 +181,14 @@ def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ign
 
 
 def _register_model_commands() -> None:
-    from kvstate.cli_models import eval_command, train_command
+    from kvstate.lab.cli_models import eval_command, train_command
 
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
-    app.add_typer(__import__("kvstate.cli_prefix", fromlist=["app"]).app, name="prefix")
-    app.add_typer(__import__("kvstate.cli_depth", fromlist=["app"]).app, name="depth")
-    app.add_typer(__import__("kvstate.cli_semantic", fromlist=["app"]).app, name="semantic")
-    app.add_typer(__import__("kvstate.cli_transfer", fromlist=["app"]).app, name="transfer")
+    app.add_typer(__import__("kvstate.lab.prefix.cli", fromlist=["app"]).app, name="prefix")
+    app.add_typer(__import__("kvstate.lab.depth.cli", fromlist=["app"]).app, name="depth")
+    app.add_typer(__import__("kvstate.lab.semantic.cli", fromlist=["app"]).app, name="semantic")
+    app.add_typer(__import__("kvstate.lab.transfer.cli", fromlist=["app"]).app, name="transfer")
 
 
 _register_model_commands()

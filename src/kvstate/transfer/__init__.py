@@ -2,7 +2,7 @@
 via Reuse and Selective Patching* (REUSE low-rank codes + PATCH aligners), its baselines, the wire
 format, payload stores and a TCP transport. See ``docs/techniques.md#across-models``."""
 
-from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on, calibration_prompts
+from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
 from kvstate.transfer.payload import FORMAT_VERSION, Payload, PayloadError, ids_hash
 from kvstate.transfer.store import MemoryStore, RedisStore, StoreError, open_store
@@ -10,4 +10,4 @@ from kvstate.transfer.transport import ServerConfig, ServerThread, TransportErro
 
 __all__ = ["FORMAT_VERSION", "CalibrationConfig", "Codec", "CodecConfig", "CodecError", "MemoryStore", "Payload",
            "PayloadError", "RedisStore", "ServerConfig", "ServerThread", "StoreError", "TransportError",
-           "calibrate_on", "calibration_prompts", "fetch_payload", "ids_hash", "open_store"]
+           "calibrate_on", "fetch_payload", "ids_hash", "open_store"]

@@ -63,19 +63,6 @@ class CalibrationConfig:
         CodecConfig(self.rank_k, self.rank_v, self.rank_h, (), self.bits)
 
 
-def calibration_prompts(tokenizer: Any, cfg: CalibrationConfig) -> list[torch.Tensor]:
-    """``cfg.prefixes`` token-id tensors (1, T) of the synthetic tasks, from the calibration seed stream."""
-    from kvstate.workloads.tasks import generate
-
-    per = -(-cfg.prefixes // len(cfg.tasks))
-    out = []
-    for task in cfg.tasks:
-        for ex in generate(task, cfg.length, per, cfg.seed, tokenizer):
-            out.append(torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long))
-    order = np.random.default_rng(cfg.seed).permutation(len(out))[: cfg.prefixes]
-    return [out[i] for i in order]
-
-
 def _train_aligner(z: torch.Tensor, resid: torch.Tensor, cfg: CalibrationConfig, seed: int) -> dict[str, torch.Tensor]:
     """MLP ``resid ≈ gelu((z/std) W1ᵀ + b1) W2ᵀ + b2`` by Adam on MSE; W2, b2 start at zero."""
     with torch.inference_mode(False):

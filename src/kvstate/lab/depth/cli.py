@@ -1,0 +1,121 @@
+"""``kvstate depth ...``: train with stochastic KV routing (R-CLA) and evaluate cross-layer KV sharing.
+
+A typer sub-app registered by ``cli.py``. ``train`` wraps :func:`kvstate.lab.depth.train.depth_train`
+(runs under ``torchrun`` with DDP over gloo when started that way); ``eval`` wraps
+:func:`kvstate.lab.depth.evaluate.evaluate_sharing`. torch and transformers load inside the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvstate.errors import KVStateError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Cross-layer KV sharing: train with stochastic KV routing (R-CLA), evaluate patterns.")
+
+
+@app.command("train")
+def train_command(
+    model: Annotated[Path, typer.Option("--model", help="Start model: a kvstate train output (e.g. models/ref-attn).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
+    p: Annotated[float, typer.Option("--p", help="Probability a layer attends to its own K/V (1: no routing).")] = 0.5,
+    pattern: Annotated[str | None, typer.Option(
+        "--pattern", help="Train a fixed-pattern specialist instead, e.g. 0_0_2_2 (CLA2).")] = None,
+    minutes: Annotated[float | None, typer.Option("--minutes", help="Wall-clock budget of this run.")] = None,
+    tokens: Annotated[int | None, typer.Option("--tokens", help="Token budget (same batches for every run).")] = None,
+    length: Annotated[int, typer.Option("--length", help="Tokens per training row.")] = 1024,
+    seed: Annotated[int, typer.Option("--seed", help="Routing seed (DDP rank r uses seed + r).")] = 0,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the depth run saved in --out.")] = False,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a TrainConfig field, e.g. --set lr=0.0005 (JSON values).")] = None,
+) -> None:
+    """Continue training a reference model with stochastic KV routing; under torchrun, DDP over gloo."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rich.console import Console
+
+    from kvstate.lab.cli_models import parse_overrides
+    from kvstate.lab.depth.train import DepthTrainConfig, depth_train
+
+    cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed)
+    extra = parse_overrides(overrides or [])
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    try:
+        state = depth_train(model, out, cfg, resume=resume, overrides=extra, progress=True, log=lambda s: None)
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        from kvstate.lab.depth.card import write_card
+
+        write_card(out)  # the card with this run's learning curve (rewritten after kvstate depth eval --out)
+        last = state["curve"][-1] if state["curve"] else {}
+        Console().print(f"saved {out}: step {state['step']}, {state['tokens']:,} tokens, "
+                        f"{state['seconds'] / 60:.1f} min, loss {last.get('loss')}, "
+                        f"routing {state['depth']['pattern'] or 'p=' + str(state['depth']['p'])}")
+
+
+def _floats(value: str) -> list[float]:
+    try:
+        out = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise KVStateError(f"--keep {value!r}: pass fractions such as 1,0.75,0.5,0.25") from None
+    if not out:
+        raise KVStateError(f"--keep {value!r} is empty; pass fractions such as 1,0.75,0.5,0.25")
+    return out
+
+
+@app.command("eval")
+def eval_command(
+    model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer.")],
+    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions, comma-separated.")] = "1,0.75,0.5,0.25",
+    pattern_kind: Annotated[str, typer.Option("--pattern-kind", help="keep, cla or top_shared.")] = "keep",
+    n: Annotated[int, typer.Option("--n", help="Examples per task and length.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out examples.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="End with one JSON line of the results.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file (e.g. DIR/depth_eval.json).")] = None,
+) -> None:
+    """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvstate.lab.depth.evaluate import evaluate_sharing
+
+    if n < 1 or seed < 0:
+        raise KVStateError(f"--n {n} must be >= 1 and --seed {seed} >= 0")
+    result = evaluate_sharing(model, _floats(keep), pattern_kind, n=n, seed=seed, progress=not as_json)
+    table = Table(title=f"{model} — {pattern_kind} patterns, n={n}, seed={seed}")
+    for col in ("keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"):
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
+                      f"{r['kv_bytes_per_token']:,}", f"{r['decode_tok_s']:.1f}")
+    Console(stderr=as_json).print(table)
+    line = json.dumps(result)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(out)
+    if as_json:
+        print(line)
+
+
+@app.command("card")
+def card_command(
+    model: Annotated[Path, typer.Option("--model", help="A kvstate depth train --out directory.")],
+) -> None:
+    """Write DIR/README.md from its training_state.json and depth_eval.json."""
+    from kvstate.lab.depth.card import write_card
+
+    print(write_card(model))

@@ -1,0 +1,1 @@
+"""The lab's prefix slice: training, evaluation, cards, its report section and its `kvstate prefix` commands."""

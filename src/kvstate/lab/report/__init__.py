@@ -1,0 +1,18 @@
+"""kvstate.lab.report — the HTML report (headline, figures, tables) and summary.json written by ``kvstate report``.
+
+The builder (:mod:`kvstate.lab.report.build`) is imported on its own: it imports every section, and
+sections import this package's page types."""
+
+from kvstate.lab.report.html import (
+    SCHEMA_VERSION,
+    Figure,
+    HeadlineRow,
+    Section,
+    Table,
+    atomic_write_text,
+    pct,
+    pivot,
+    write_report,
+)
+
+__all__ = ["SCHEMA_VERSION", "Figure", "HeadlineRow", "Section", "Table", "atomic_write_text", "pct", "pivot", "write_report"]

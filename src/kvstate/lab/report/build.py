@@ -1,0 +1,164 @@
+"""The main job: run every technique's report section on the embedded default models.
+
+``kvstate report --out DIR`` writes ``DIR/index.html`` (headline, figures, tables) and ``DIR/summary.json``.
+Sections register in ``SECTIONS`` (one line each; the interface is documented in
+:mod:`kvstate.lab.report.html`). The report is built in a temporary sibling directory and moved into place only
+when every section has finished, so a run that fails midway leaves the previous report whole and untouched;
+an existing ``DIR`` that is not a kvstate report is refused before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from kvstate.errors import KVStateError
+from kvstate.lab.depth import section as depth_section
+from kvstate.lab.prefix import replay_section
+from kvstate.lab.prefix import section as prefix_section
+from kvstate.lab.report import eval_section, model_state
+from kvstate.lab.report.html import GENERATOR, Section, write_report
+from kvstate.lab.semantic import section as semantic_section
+from kvstate.lab.transfer import section as transfer_section
+
+SectionBuilder = Callable[[Path, Path], Section]
+
+SECTIONS: list[tuple[str, SectionBuilder]] = [
+    ("model state", model_state.build),
+    ("prefix caching", prefix_section.build),
+    ("prefix replay", replay_section.build),
+    ("reference models", eval_section.build),
+    ("depth", depth_section.build),
+    ("resolution", semantic_section.build),
+    ("across models", transfer_section.build),
+]
+
+
+class ReportOutputError(KVStateError):
+    """The report's output directory cannot be used (not a report, a file, not writable)."""
+
+
+def is_report_dir(path: Path) -> bool:
+    """An empty directory, or one whose ``index.html`` was written by ``kvstate report`` (any version)."""
+    if not path.is_dir():
+        return False
+    if not any(path.iterdir()):
+        return True
+    index = path / "index.html"
+    if not index.is_file():
+        return False
+    with index.open("r", encoding="utf-8", errors="replace") as f:
+        head = f.read(4096)
+    return f"content='{GENERATOR}'" in head or "<title>kvstate report</title>" in head  # current / first format
+
+
+def check_output_dir(out_dir: Path) -> None:
+    """Refuse, before any work, an ``--out`` that is a file or a directory holding something else than a report."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ReportOutputError(f"--out {str(out_dir)!r} is a file, not a directory; choose a directory path.")
+    if out_dir.is_dir() and not is_report_dir(out_dir):
+        raise ReportOutputError(f"--out {str(out_dir)!r} exists and is not a kvstate report (no index.html written "
+                                "by kvstate report); choose a new or empty directory, or remove it yourself.")
+
+
+def git_commit() -> str:
+    """The commit of the source tree the report ran from ("+ uncommitted changes" when dirty)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{head} + uncommitted changes" if dirty else head
+
+
+def run_settings() -> dict[str, Any]:
+    """What a reader needs to reproduce the numbers: machine threads, library versions, commit."""
+    import numpy
+    import torch
+    import transformers
+
+    return {
+        "started_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "git_commit": git_commit(),
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "cpu_count": os.cpu_count() or 0,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def _staging_dir(out_dir: Path) -> Path:
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
+    except OSError as exc:
+        raise ReportOutputError(f"--out {str(out_dir)!r}: cannot write next to it ({exc.strerror}); choose a "
+                                "writable directory.") from exc
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the report from other users
+    return staging
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by ``staging``: the old report is kept aside until the new one is in place."""
+    if not out_dir.exists():
+        staging.rename(out_dir)
+        return
+    check_output_dir(out_dir)  # again: something may have been written there while the sections ran
+    old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+    out_dir.rename(old)
+    try:
+        staging.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[str] | None = None) -> Path:
+    """Run the chosen sections into a staging directory, write the page, then swap it in as ``out_dir``."""
+    names = [n for n, _ in SECTIONS]
+    unknown = sorted(set(only or []) - set(names))
+    if unknown:
+        raise KVStateError(f"--section {', '.join(map(repr, unknown))}: no such report section; choose from "
+                           f"{', '.join(map(repr, names))}.")
+    check_output_dir(out_dir)
+    chosen = [(n, b) for n, b in SECTIONS if only is None or n in only]
+    run = run_settings()
+    staging = _staging_dir(out_dir)
+    t_start = time.perf_counter()
+    try:
+        sections: list[Section] = []
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as progress:
+            task = progress.add_task("report", total=len(chosen))
+            for name, builder in chosen:
+                progress.update(task, description=f"section: {name}")
+                t0 = time.perf_counter()
+                section = builder(staging, models_dir)
+                section.seconds = round(time.perf_counter() - t0, 1)
+                sections.append(section)
+                progress.advance(task)
+        run["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        write_report(staging, sections, run)
+        _swap_into_place(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out_dir / "index.html"

@@ -1,0 +1,317 @@
+"""The report page: a headline of targets met or missed, then one section per technique, as a results section.
+
+How a technique adds a section (the whole interface)
+----------------------------------------------------
+Write ``src/kvstate/lab/report/<name>_section.py`` with ``build(out_dir: Path, models_dir: Path) -> Section`` and
+add one line to ``SECTIONS`` in :mod:`kvstate.lab.report.build`. ``build`` writes its PNG figures into
+``out_dir`` (a temporary directory that replaces the report only when every section has finished) and
+returns a :class:`Section`:
+
+- ``key``: short id; the section's anchor (``index.html#key``) and its key under ``"sections"`` in
+  ``summary.json``.
+- ``title``: the technique in words, e.g. ``"Depth: stochastic KV routing (R-CLA)"`` — never an internal
+  label; ``paper``: the title of the paper it implements (shown under the heading).
+- ``headline``: one :class:`HeadlineRow` per target the technique is measured against, with this run's
+  value and whether it met the target. Every number in ``measured`` must also be in ``summary`` (a test
+  checks the page's headline numbers against ``summary.json``).
+- ``conclusion``: one paragraph of what the reader should conclude, with this run's numbers in it.
+- ``intro``: how it was measured (workload, n, seeds, hardware), shown in smaller print.
+- ``figures``: :class:`Figure` (a PNG file name in ``out_dir``, no directories), shown before the tables.
+  Use :mod:`kvstate.lab.report.plots` for a method's colour and for annotated heatmaps.
+- ``tables``: compact tables (pivoted: methods as columns, budgets or lengths as rows; see :func:`pivot`
+  and :func:`pct`). A table longer than ``COLLAPSE_ROWS`` rows is moved into the collapsed block.
+- ``details``: the full long-format tables, shown in a collapsed ``<details>`` block.
+- ``summary``: the machine-readable numbers (JSON-serialisable) for ``summary.json``.
+
+Minimal example::
+
+    return Section(key="depth", title="Depth: stochastic KV routing (R-CLA)", paper="...",
+                   conclusion=f"Sharing every other layer's KV halves the cache at {drop:.1%} accuracy loss.",
+                   figures=[Figure("Accuracy vs KV kept", "depth_accuracy.png", "n = 20 per cell.")],
+                   tables=[pivot(rows, "budget", "method", "accuracy", fmt=pct)],
+                   headline=[HeadlineRow("depth (R-CLA)", "accuracy drop <= 2 pp at 50% KV",
+                                         f"{drop * 100:.1f} pp", drop <= 0.02)],
+                   summary={"accuracy_drop": drop})
+
+:func:`render` turns sections into the page; :func:`write_report` writes ``index.html`` and
+``summary.json`` (schema ``SCHEMA_VERSION``) into a directory; :mod:`kvstate.lab.report.build` runs the sections
+and swaps the finished directory into place.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstate.errors import KVStateError
+
+SCHEMA_VERSION = 2  # summary.json layout: {schema_version, generator, run, headline, sections: {key: summary}}
+GENERATOR = "kvstate report"  # marks a directory as a kvstate report (index.html meta tag, summary.json)
+COLLAPSE_ROWS = 15  # a compact table longer than this goes into the collapsed full-data block
+
+
+@dataclass
+class Table:
+    title: str
+    columns: list[str]
+    rows: list[list[Any]]
+    note: str = ""  # one line under the table (units, n, what a blank cell means)
+
+
+@dataclass
+class Figure:
+    title: str
+    filename: str  # PNG written into the report directory by the section (a bare file name)
+    caption: str = ""
+    alt: str = ""  # text for screen readers; the title when empty
+
+
+@dataclass(frozen=True)
+class HeadlineRow:
+    """One target a technique is measured against, with this run's value (never fixed text)."""
+
+    technique: str  # e.g. "position (sparse prefix caching)"
+    target: str  # what is promised, e.g. "capture overhead <= 1.10x a plain prefill"
+    measured: str  # this run's value, formatted, e.g. "1.04x"
+    met: bool | None  # None when the run could not decide (say why in `measured`)
+
+    def __post_init__(self) -> None:
+        if self.met is not None:  # numpy.bool_ from a comparison of numpy numbers is not `True`
+            object.__setattr__(self, "met", bool(self.met))
+
+
+@dataclass
+class Section:
+    key: str  # short id: the anchor and the summary.json key
+    title: str  # the technique in words (not an internal label)
+    intro: str = ""  # how it was measured
+    tables: list[Table] = field(default_factory=list)  # compact tables, shown after the figures
+    figures: list[Figure] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)  # machine-readable numbers for summary.json
+    headline: list[HeadlineRow] = field(default_factory=list)  # rows for the report's headline table
+    conclusion: str = ""  # what the reader should conclude, with this run's numbers
+    paper: str = ""  # title of the paper the technique comes from
+    details: list[Table] = field(default_factory=list)  # full long-format data, collapsed
+    seconds: float | None = None  # wall time of the section's build (filled in by the report builder)
+
+
+def pct(x: float | None, digits: int = 1) -> str:
+    """A share in [0, 1] as a percentage with fixed precision ("—" for a missing value)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{100 * x:.{digits}f}%"
+
+
+def pivot(records: Sequence[dict[str, Any]], row: str, column: str, value: str, title: str = "",
+          fmt: Callable[[Any], str] = str, row_label: str | None = None, note: str = "") -> Table:
+    """Long-format records → one row per ``row`` value, one column per ``column`` value (first-seen order)."""
+    rows_seen: dict[Any, None] = {}
+    cols_seen: dict[Any, None] = {}
+    cells: dict[tuple[Any, Any], Any] = {}
+    for r in records:
+        rows_seen.setdefault(r[row])
+        cols_seen.setdefault(r[column])
+        cells[(r[row], r[column])] = r[value]
+    body = [[rv, *(fmt(cells[(rv, cv)]) if (rv, cv) in cells else "—" for cv in cols_seen)] for rv in rows_seen]
+    return Table(title, [row_label or row, *(str(c) for c in cols_seen)], body, note)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the report from other users
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _e(text: Any) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return "—" if math.isnan(value) else f"{value:,.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return _e(value)
+
+
+def _status(met: bool | None) -> str:
+    return {True: "<span class='met'>met</span>", False: "<span class='missed'>missed</span>",
+            None: "<span class='open'>undecided</span>"}[met]
+
+
+def _table(t: Table, cls: str = "") -> str:
+    out = [f"<table class='{cls}'>" if cls else "<table>"]
+    if t.title:
+        out.append(f"<caption>{_e(t.title)}</caption>")
+    out.append("<thead><tr>" + "".join(f"<th>{_e(c)}</th>" for c in t.columns) + "</tr></thead><tbody>")
+    out += ["<tr>" + "".join(f"<td>{_cell(v)}</td>" for v in row) + "</tr>" for row in t.rows]
+    out.append("</tbody></table>")
+    if t.note:
+        out.append(f"<p class='note'>{_e(t.note)}</p>")
+    return "\n".join(out)
+
+
+def _check_figure_name(s: Section, f: Figure) -> None:
+    if not f.filename or Path(f.filename).name != f.filename or f.filename.startswith("."):
+        raise KVStateError(f"report section {s.key!r}: figure file name {f.filename!r} must be a bare file name "
+                           "inside the report directory (no folders); save the PNG into out_dir.")
+
+
+_STYLE = """
+body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1100px;margin:1.5em auto;padding:0 1em;
+  color:#1a1a1a;line-height:1.45}
+h1{margin-bottom:.2em} h2{margin-top:2.2em;border-bottom:2px solid #ddd;padding-bottom:.2em}
+.paper{color:#555;margin-top:-.6em} .lede{font-size:110%} .intro,.note,figcaption,.settings{color:#555;font-size:90%}
+.conclusion{font-size:105%}
+table{border-collapse:collapse;margin:.8em 0;font-variant-numeric:tabular-nums}
+caption{text-align:left;font-weight:600;padding:.3em 0}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} th{background:#f3f3f3}
+td:first-child,th:first-child{text-align:left}
+table.headline td,table.headline th{text-align:left} table.headline td:first-child{white-space:nowrap}
+.met{color:#1a7f37;font-weight:700} .missed{color:#c62828;font-weight:700} .open{color:#8a6d00;font-weight:700}
+figure{margin:1em 0} img{max-width:100%;height:auto} details{margin:1em 0} summary{cursor:pointer;color:#0b57d0}
+nav ol{columns:2} a{color:#0b57d0} div.tables{display:flex;flex-wrap:wrap;gap:0 2.5em;align-items:flex-start}
+div.tables p.note{flex-basis:100%;margin-top:-.6em}
+"""
+
+
+def _headline(sections: list[Section]) -> str:
+    rows = [(s, r) for s in sections for r in s.headline]
+    if not rows:
+        return "<p class='lede'>No section measured a target in this run.</p>"
+    met = sum(r.met is True for _, r in rows)
+    missed = sum(r.met is False for _, r in rows)
+    out = [f"<p class='lede'><strong>{met} of {len(rows)} targets met</strong>"
+           + (f", {missed} missed" if missed else "")
+           + (f", {len(rows) - met - missed} undecided" if len(rows) - met - missed else "")
+           + " in this run.</p>",
+           "<table class='headline' id='headline-table'><thead><tr><th>technique</th><th>target</th>"
+           "<th>measured</th><th>status</th></tr></thead><tbody>"]
+    for s, r in rows:
+        out.append(f"<tr><td><a href='#{_e(s.key)}'>{_e(r.technique)}</a></td><td>{_e(r.target)}</td>"
+                   f"<td class='measured'>{_e(r.measured)}</td><td>{_status(r.met)}</td></tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def _settings(run: dict[str, Any], sections: list[Section]) -> str:
+    items = [(k, v) for k, v in run.items() if not isinstance(v, (dict, list))]
+    times = ", ".join(f"{s.title.split(':')[0]} {s.seconds:.0f} s" for s in sections if s.seconds is not None)
+    if times:
+        items.append(("wall time per section", times))
+    if not items:
+        return ""
+    body = " · ".join(f"{_e(k if k.isupper() else k.replace('_', ' '))} <strong>{_cell(v)}</strong>"
+                      for k, v in items)
+    return f"<p class='settings' id='run-settings'>Run settings: {body}</p>"
+
+
+def _section(s: Section) -> str:
+    out = [f"<section id='{_e(s.key)}'><h2>{_e(s.title)}</h2>"]
+    if s.paper:
+        out.append(f"<p class='paper'>Paper: <cite>{_e(s.paper)}</cite></p>")
+    if s.conclusion:
+        out.append(f"<p class='conclusion'>{_e(s.conclusion)}</p>")
+    if s.intro:
+        out.append(f"<p class='intro'>{_e(s.intro)}</p>")
+    for f in s.figures:
+        _check_figure_name(s, f)
+        caption = f"<strong>{_e(f.title)}.</strong> {_e(f.caption)}" if f.caption else f"<strong>{_e(f.title)}</strong>"
+        out.append(f"<figure><img src='{_e(f.filename)}' alt='{_e(f.alt or f.title)}'>"
+                   f"<figcaption>{caption}</figcaption></figure>")
+    compact = [t for t in s.tables if len(t.rows) <= COLLAPSE_ROWS]
+    full = [t for t in s.tables if len(t.rows) > COLLAPSE_ROWS] + s.details
+    if compact:
+        out.append("<div class='tables'>" + "\n".join(_table(t) for t in compact) + "</div>")
+    if full:
+        n = sum(len(t.rows) for t in full)
+        out.append(f"<details><summary>Full data ({n:,} rows; also in summary.json under "
+                   f"sections.{_e(s.key)})</summary>")
+        out += [_table(t) for t in full]
+        out.append("</details>")
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def render(sections: list[Section], title: str = "kvstate report", run: dict[str, Any] | None = None) -> str:
+    """The whole page: title, headline (targets + run settings), contents, then each section."""
+    keys = [s.key for s in sections]
+    if len(set(keys)) != len(keys):
+        raise KVStateError(f"report sections share a key: {keys}; give each section its own key.")
+    toc = "".join(f"<li><a href='#{_e(s.key)}'>{_e(s.title)}</a></li>" for s in sections)
+    parts = [
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width, initial-scale=1'>",
+        f"<meta name='generator' content='{GENERATOR}'>",
+        f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        "<section id='headline'><h2>Headline: targets met in this run</h2>",
+        _headline(sections),
+        _settings(run or {}, sections),
+        "</section>",
+        f"<nav id='contents'><h2>Contents</h2><ol>{toc}</ol></nav>",
+        *(_section(s) for s in sections),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def summary_json(sections: list[Section], run: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The machine-readable report: every headline row and every section's numbers (schema ``SCHEMA_VERSION``)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "generator": GENERATOR,
+        "run": {**(run or {}), "sections": [{"key": s.key, "title": s.title, "paper": s.paper,
+                                              "seconds": s.seconds} for s in sections]},
+        "headline": [{"section": s.key, **asdict(r)} for s in sections for r in s.headline],
+        "sections": {s.key: s.summary for s in sections},
+    }
+
+
+def write_report(out_dir: Path, sections: list[Section], run: dict[str, Any] | None = None,
+                 title: str = "kvstate report") -> Path:
+    """Write ``index.html`` and ``summary.json`` into ``out_dir`` (each atomically); return the page's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for s in sections:
+        for f in s.figures:
+            _check_figure_name(s, f)
+            if not (out_dir / f.filename).is_file():
+                raise KVStateError(f"report section {s.key!r}: figure {f.filename!r} was not written to {out_dir}; "
+                                   "save it there before returning the Section.")
+    page = render(sections, title, run)
+    summary = json.dumps(_finite(summary_json(sections, run)), indent=2, sort_keys=True, allow_nan=False)
+    index = out_dir / "index.html"
+    atomic_write_text(out_dir / "summary.json", summary + "\n")
+    atomic_write_text(index, page)
+    return index
+
+
+def _finite(value: Any) -> Any:
+    """JSON-ready copy: numpy / torch scalars and arrays to Python, NaN and infinities to null (strict JSON)."""
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # numpy / torch scalars and arrays
+        return _finite(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise KVStateError(f"summary.json: a {type(value).__name__} is not JSON-serialisable; convert it in the section.")

@@ -1,0 +1,1 @@
+"""The lab's semantic slice: training, evaluation, cards, its report section and its `kvstate semantic` commands."""

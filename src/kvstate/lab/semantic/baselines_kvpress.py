@@ -1,0 +1,90 @@
+"""NVIDIA kvpress presses as baselines, run in an isolated virtual environment.
+
+kvpress 0.5.5 pins ``transformers<5.3`` and patches transformers' attention globally when imported,
+so it never enters this process: :func:`ensure_env` creates ``.venv-kvpress`` (``pip install
+torch==2.13.0 kvpress==0.5.5``, which resolves transformers 5.2.0 and loads the committed reference
+models unchanged), :func:`run_presses` writes the items to JSONL, runs
+``kvstate/lab/semantic/kvpress_runner.py`` with that interpreter on the same model directory and reads its
+JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows. Presses that need files from a model hub
+(RestoreKV, QFilter, KVzap, DuoAttention, FastKVzip, LUKV) cannot run offline and are listed as not run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvstate.errors import KVStateError
+from kvstate.lab.semantic.bench import Outcome, score_prediction
+from kvstate.lab.semantic.protocol import Item, items_to_rows, read_jsonl, write_jsonl
+
+DEFAULT_PRESSES = ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress", "KnormPress")
+NOT_RUN = {name: "needs files from a model hub" for name in
+           ("RestoreKVPress", "QFilterPress", "KVzapPress", "DuoAttentionPress", "FastKVzipPress", "LUKVPress")}
+PINS = ("torch==2.13.0", "kvpress==0.5.5")
+RUNNER = Path(__file__).with_name("kvpress_runner.py")
+
+
+class KVPressEnvError(KVStateError):
+    """The isolated kvpress environment could not be created or run."""
+
+
+def snake(name: str) -> str:
+    """kvpress class name → result method name: ``SnapKVPress`` → ``snap_kv_press``."""
+    s = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", s).lower()
+
+
+def ensure_env(venv: Path, create: bool = True) -> Path:
+    """The interpreter of a working kvpress environment at ``venv`` (created if missing and ``create``)."""
+    py = venv / "bin" / "python"
+    if not py.is_file():
+        if not create:
+            raise KVPressEnvError(f"no kvpress environment at {str(venv)!r}; create it with "
+                                  f"`python -m venv {venv} && {venv}/bin/pip install {' '.join(PINS)}`")
+        for cmd in ([sys.executable, "-m", "venv", str(venv)], [str(venv / "bin" / "pip"), "install", "-q", *PINS]):
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise KVPressEnvError(f"creating the kvpress environment failed at `{' '.join(cmd)}`: "
+                                      f"{(done.stderr or done.stdout).strip()[-600:]}")
+    check = subprocess.run([str(py), "-c", "import kvpress, transformers; print(transformers.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise KVPressEnvError(f"the kvpress environment at {str(venv)!r} does not import kvpress: "
+                              f"{check.stderr.strip()[-600:]}; delete it to recreate")
+    return py
+
+
+def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str],
+                budgets: Sequence[float], workdir: Path, threads: int = 1) -> tuple[list[Outcome], list[dict]]:
+    """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and error rows."""
+    tasks, out = workdir / "kvpress_tasks.jsonl", workdir / "kvpress_results.jsonl"
+    write_jsonl(tasks, items_to_rows(list(items)))
+    cmd = [str(python), str(RUNNER), "--model", str(model_dir), "--tasks", str(tasks), "--out", str(out),
+           "--presses", ",".join(presses), "--ratios", ",".join(str(round(1 - b, 6)) for b in budgets),
+           "--threads", str(threads)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise KVPressEnvError(f"the kvpress runner failed: {done.stderr.strip()[-800:]}")
+    by_key = {(it.task, it.length, it.index): it for it in items}
+    outcomes, errors = [], []
+    for r in read_jsonl(out):
+        if "error" in r:
+            errors.append(r)
+            continue
+        it = by_key[(r["task"], r["length"], r["index"])]
+        q = int(r["question"])
+        outcomes.append(Outcome(snake(r["press"]), round(1 - r["ratio"], 6), it.task, it.length, it.index, q,
+                                it.depth, score_prediction(it, q, r["prediction"]), r["prediction"],
+                                int(r["cache_bytes"]), 0, float(r["decode_s"]), int(r["decode_steps"]), None))
+    return outcomes, errors
+
+
+def versions(python: Path) -> dict[str, str]:
+    code = "import json, kvpress, transformers, importlib.metadata as m; print(json.dumps({'kvpress': m.version('kvpress'), 'transformers': transformers.__version__}))"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return json.loads(done.stdout) if done.returncode == 0 else {}

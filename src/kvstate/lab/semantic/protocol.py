@@ -1,0 +1,130 @@
+"""The compress-then-ask protocol shared by SEKV, the in-project baselines and the kvpress runner.
+
+As kvpress evaluates presses: the context (with ``<bos>``) is prefilled and compressed *without* the
+question; the question is fed afterwards and the answer decoded greedily. The ``niah_4q`` setting asks
+four different single-key questions of one compressed context (built from a ``niah_multiquery``
+example: four needles, each asked on its own), where a reversible memory should beat eviction. The
+``ppl`` setting is held-out perplexity under compress-then-continue: a held-out ``text`` example is cut
+into a context (prefilled and compressed) and a continuation of :data:`CONTINUATION` tokens that is fed
+afterwards one token at a time and scored through the compressed cache.
+Tasks are written to JSONL (:func:`write_jsonl`) so a runner in another environment sees the same
+token ids; results come back the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvstate.errors import KVStateError, TraceFormatError
+from kvstate.lab.workloads.tasks import DEPTH_TASKS, Example, generate
+
+MULTI_Q = "niah_4q"
+PPL = "ppl"
+CONTINUATION = 64  # tokens of held-out text fed after the compressed context (the first is fed, not scored)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One context with one or more questions, as token ids."""
+
+    task: str
+    length: int
+    index: int
+    depth: float | None
+    context: list[int]  # <bos> + context tokens
+    questions: list[list[int]]  # each: " question answer :" tokens (no special tokens)
+    answers: list[list[str]]  # gold answers per question
+    metric: str  # scoring metric of every question
+    max_new_tokens: list[int]  # decode budget per question
+
+
+def _ids(tokenizer: Any, text: str, special: bool) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _item(tokenizer: Any, ex: Example, index: int) -> Item:
+    ctx = _ids(tokenizer, ex.context, True)
+    q = _ids(tokenizer, ex.question, False)
+    if ctx + q != _ids(tokenizer, ex.prompt, True):
+        raise KVStateError(f"task {ex.task!r}: the tokenizer does not split context and question at a token boundary")
+    budget = len(_ids(tokenizer, ex.target, False)) + 8
+    return Item(ex.task, ex.length, index, ex.depth, ctx, [q], [list(ex.answers)], ex.metric, [budget])
+
+
+def _four_questions(tokenizer: Any, ex: Example, index: int) -> Item:
+    words = ex.question.split()
+    keys = [w for w in words[words.index("of") + 1: words.index("?")] if w != ","]
+    if len(keys) != len(ex.answers):
+        raise KVStateError(f"niah_multiquery question {ex.question!r} does not list one key per answer")
+    ctx = _ids(tokenizer, ex.context, True)
+    qs = [_ids(tokenizer, f"what is the secret code of {k} ? answer :", False) for k in keys]
+    budgets = [len(_ids(tokenizer, a, False)) + 9 for a in ex.answers]
+    return Item(MULTI_Q, ex.length, index, ex.depth, ctx, qs, [[a] for a in ex.answers], "exact", budgets)
+
+
+def _continuation(tokenizer: Any, ex: Example, length: int, index: int) -> Item:
+    ids = _ids(tokenizer, ex.prompt, True)
+    if len(ids) < length + 2:
+        raise KVStateError(f"ppl: the held-out text of {len(ids)} tokens is too short for a {length}-token context "
+                           "plus a continuation; pass a shorter --length")
+    cont = ids[length:length + CONTINUATION]
+    return Item(PPL, length, index, None, ids[:length], [cont], [[]], "ppl", [0])
+
+
+def build_items(tokenizer: Any, task: str, length: int, n: int, seed: int) -> list[Item]:
+    """``n`` held-out items of ``task`` (or :data:`MULTI_Q`, :data:`PPL`), needle depths spread evenly over [0, 1].
+
+    :data:`PPL` items hold the context (``length`` tokens with ``<bos>``) and, as their one "question",
+    the next :data:`CONTINUATION` tokens of the same held-out ``text`` example.
+    """
+    if task == PPL:
+        exs = generate("text", length + CONTINUATION, n, seed, tokenizer)
+        return [_continuation(tokenizer, ex, length, i) for i, ex in enumerate(exs)]
+    base = "niah_multiquery" if task == MULTI_Q else task
+    depths = [i / (n - 1) if n > 1 else 0.5 for i in range(n)] if base in DEPTH_TASKS else None
+    exs = generate(base, length, n, seed, tokenizer, depths=depths)
+    make = _four_questions if task == MULTI_Q else _item
+    return [make(tokenizer, ex, i) for i, ex in enumerate(exs)]
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    """Write rows atomically (temp sibling, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TraceFormatError(f"{str(path)!r} line {i} is not JSON: {exc}") from exc
+    return out
+
+
+def items_to_rows(items: list[Item]) -> list[dict[str, Any]]:
+    return [asdict(it) for it in items]
+
+
+def rows_to_items(rows: list[dict[str, Any]]) -> list[Item]:
+    try:
+        return [Item(**r) for r in rows]
+    except TypeError as exc:
+        raise TraceFormatError(f"task row does not match the Item fields: {exc}") from exc

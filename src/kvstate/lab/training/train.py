@@ -1,0 +1,286 @@
+"""Training the reference models (``models/ref-attn``, ``models/ref-hybrid``) on the synthetic tasks.
+
+Recipe (measured on a 2-core CPU): bf16 autocast + SDPA, AdamW at lr 1e-3, answer tokens
+weighted x10, and a *context-length curriculum* that starts at 64 tokens and doubles the length
+whenever the gate tasks (``niah_single``, ``niah_multikey``) pass ``advance_at`` first-answer-token
+accuracy (or whole-answer exact match, ``advance_metric="exact"``), or after ``stage_patience_min``
+once their mean passes ``patience_floor`` (0 by default: the probe behind the reference models solved single-needle
+retrieval at 1K only after most of its training at 1K, and a strict gate at 128 tokens stalled here for
+10 minutes). A ``shorter_share`` of the steps replays an earlier stage's length. Both are measured on each fresh training batch *before* the
+update, row by row: exact match counts a row when every answer token is the argmax under teacher
+forcing, which is exactly when greedy decoding reproduces the target (by induction over the answer),
+so it is the eval metric for free; the first answer token (which needle) cannot be copied from the
+answer itself. Per-token teacher-forced accuracy is not used: once the first digit is given, the
+rest is a copy, and it reads 0.85 while multi-key retrieval is at chance.
+
+Training-only drills (:mod:`kvstate.lab.workloads.drills`, ``niah_drill`` and ``copy`` in :data:`TASK_MIX`)
+carry many retrievals and copies per row; restarting a resumed run at 256 tokens with them
+(``resume_length``) is what lifted both reference models past the 0.9 gate (their cards have the curves).
+Multi-needle documents are mixed in from the first stage: at 64 tokens the multi-needle tasks use
+two needles instead of four (:func:`stage_task_config`). Training is resumable: every save writes the
+model, the tokenizer, ``training_state.json`` (curriculum stage, step, learning curve) and
+``optimizer.safetensors``; ``resume=DIR`` continues from them. The hybrid can start from a trained attention
+model (``init_from``): tensors whose names and shapes match are copied (embeddings, MLPs, norms,
+attention q/k/v/o) and the Gated DeltaNet output projections start at zero, so the hybrid starts from
+a working token representation instead of random residual noise.
+Under ``torchrun`` (a ``torch.distributed`` process group already initialised, gloo on CPU) the model
+is wrapped in DistributedDataParallel; rank ``r`` of ``w`` trains on the batches of data steps
+``step * w + r`` and rank 0 decides stopping and curriculum moves, broadcast so ranks stay in step;
+only rank 0 saves. ``context(model)`` (optional) wraps the whole loop, e.g. in stochastic KV routing.
+Ignored: mixed lengths within one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers as tf
+
+from kvstate.io_safety import check_output_dir
+from kvstate.lab.training.config import (
+    ARCHS,
+    COPY,
+    DRILL,
+    GATE_TASKS,
+    TASK_MIX,
+    TrainConfig,
+)
+from kvstate.lab.training.init_from import init_from_model as _init_from
+from kvstate.lab.training.io import (
+    OPTIM_FILE,
+    TrainError,
+    drop_partial,
+    load_state,
+    partial_dir,
+    save_run,
+)
+from kvstate.lab.training.objective import _lr, answer_stats, weighted_loss
+from kvstate.lab.training.optim_io import load_optimizer as _load_optimizer
+from kvstate.lab.workloads.drills import copy_batch, drill_batch
+from kvstate.lab.workloads.tasks import TaskConfig, training_batch
+from kvstate.lab.workloads.tokenizer import build_tokenizer
+
+
+def model_config(cfg: TrainConfig, vocab_size: int, tokenizer: Any) -> Any:
+    """The transformers config of ``cfg.arch``: Qwen3 (attention) or Qwen3.5 text (hybrid)."""
+    common = {"vocab_size": vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.hidden_size // cfg.num_heads,
+              "max_position_embeddings": 2 * cfg.max_length if cfg.max_length >= 4096 else 8192,
+              "tie_word_embeddings": True, "pad_token_id": tokenizer.pad_token_id,
+              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if cfg.arch == "attn":
+        return tf.Qwen3Config(**common)
+    heads = cfg.num_heads
+    # full rotary (Qwen3.5 defaults to 0.25) so attention weights copied from ref-attn see the same positions
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+    return tf.Qwen3_5TextConfig(**common, rope_parameters=rope, full_attention_interval=4, linear_num_key_heads=heads,
+                                linear_num_value_heads=heads, linear_key_head_dim=cfg.hidden_size // heads,
+                                linear_value_head_dim=cfg.hidden_size // heads, linear_conv_kernel_dim=4)
+
+
+def stage_task_config(length: int) -> TaskConfig:
+    """Task sizes of a curriculum stage: two needles instead of four below 128 tokens, so they fit."""
+    return TaskConfig(n_keys=2, n_values=2, n_queries=2, vt_hops=2, vt_chains=1) if length < 128 else TaskConfig()
+
+
+_FITS: dict[int, set[str]] = {}  # length -> tasks that fit (the tokenizer is always build_tokenizer's)
+
+
+def _rows(task: str, length: int, count: int, seed: int, tokenizer: Any,
+          answer_weight: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+    if task == DRILL:
+        return drill_batch(length, count, seed, tokenizer, answer_weight=answer_weight)
+    if task == COPY:
+        return copy_batch(length, count, seed, tokenizer, answer_weight=answer_weight,
+                          max_items=min(24, (length - 16) // 2))
+    return training_batch([task], length, count, seed, tokenizer, answer_weight=answer_weight,
+                          config=stage_task_config(length))
+
+
+def stage_tasks(length: int, tokenizer: Any, mix: dict[str, float] | None = None) -> dict[str, float]:
+    """The tasks of ``mix`` (default :data:`TASK_MIX`) that fit rows of ``length`` tokens, with their shares."""
+    if length not in _FITS:
+        fits = set()
+        for task in TASK_MIX:
+            try:
+                _rows(task, length, 1, 0, tokenizer)
+            except ValueError:
+                continue
+            fits.add(task)
+        _FITS[length] = fits
+    return {t: v for t, v in (mix or TASK_MIX).items() if t in _FITS[length] and v > 0}
+
+
+def make_batch(cfg: TrainConfig, length: int, step: int, tokenizer: Any) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """A training batch for ``step``: rows split over the stage's tasks, deterministic in (seed, step)."""
+    tasks = stage_tasks(length, tokenizer, cfg.mix)
+    names, shares = list(tasks), np.array(list(tasks.values()))
+    rng = np.random.default_rng([cfg.seed, step, 7])
+    rows = rng.choice(len(names), size=cfg.batch_for(length), p=shares / shares.sum())
+    ids, weights, row_tasks = [], [], []
+    data_seed = cfg.seed * 1_000_003 + step  # disjoint from generate(): training_batch uses its own stream
+    for k, task in enumerate(names):
+        count = int((rows == k).sum())
+        if count:
+            i, w = _rows(task, length, count, data_seed, tokenizer, cfg.answer_weight)
+            ids.append(i)
+            weights.append(w)
+            row_tasks += [task] * count
+    return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(weights)), row_tasks
+
+
+def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
+          init_from: str | Path | None = None, progress: bool = True, log: Any = print,
+          overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+    """Train ``cfg.arch`` for ``cfg.minutes`` (or ``cfg.max_steps``) and save to ``out_dir``; returns the state.
+
+    ``resume`` continues a saved run (model, optimizer, curriculum stage, step); ``init_from`` seeds a new
+    hybrid from a trained attention model. The returned state holds the learning curve. An ``out_dir``
+    that already holds files is refused unless ``overwrite`` (or it is the ``resume`` directory itself);
+    it is replaced whole only when the run completes (:mod:`kvstate.lab.training.io`). A non-finite loss,
+    gradient or weight stops the run with :class:`TrainError` and saves nothing. ``context(model)`` wraps
+    the loop (hooks on the model, e.g. routing).
+    """
+    from tqdm.auto import tqdm
+
+    from kvstate.models.loading import load_model
+
+    out = Path(out_dir)
+    same = resume is not None and Path(resume).resolve() == out.resolve()
+    check_output_dir(out, overwrite=overwrite or same)  # before any work: refuse, or fail fast if unwritable
+    torch.set_num_threads(cfg.threads)
+    dist = torch.distributed
+    ddp = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
+    progress, log = progress and rank == 0, log if rank == 0 else (lambda *_: None)
+    tokenizer = build_tokenizer()
+    if resume is not None:
+        state = load_state(resume)
+        if state["config"]["arch"] != cfg.arch:
+            raise TrainError(f"resume directory {str(resume)!r} holds a {state['config']['arch']!r} run, not "
+                             f"{cfg.arch!r}; pass --arch {state['config']['arch']}")
+        model = load_model(resume, torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = tf.AutoModelForCausalLM.from_config(model_config(cfg, len(tokenizer), tokenizer))
+        state = {"step": 0, "tokens": 0, "seconds": 0.0, "length": cfg.start_length, "curve": [], "stages": [],
+                 "params": sum(p.numel() for p in model.parameters()), "init_from": None}
+        if init_from is not None:
+            state["init_from"] = {"dir": str(init_from), "tensors": _init_from(model, Path(init_from))}
+            log(f"init_from {init_from}: copied {state['init_from']['tensors']} tensors")
+    state["config"] = asdict(cfg)
+    model.config.dtype = "float32"
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if resume is not None and (Path(resume) / OPTIM_FILE).is_file():
+        try:
+            optimizer.load_state_dict(_load_optimizer(Path(resume) / OPTIM_FILE))
+        except (ValueError, KeyError) as exc:
+            raise TrainError(f"{str(Path(resume) / OPTIM_FILE)!r} does not fit this model ({exc}); resume from the "
+                             "run that wrote it") from None
+    windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
+    first_windows = {t: deque(maxlen=cfg.window) for t in TASK_MIX}
+    if resume is not None and cfg.resume_length is not None:
+        state["length"] = cfg.resume_length
+    length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
+    stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
+    losses: list[float] = []
+    # non-owner layers of a routed pass leave their K/V projections unused: DDP must allow that
+    net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
+    scope = context(model) if context is not None else nullcontext()
+    with scope:
+        bar = tqdm(total=round(budget), unit="s", disable=not progress, mininterval=10, desc=f"train {cfg.arch}")
+        step = step0
+        while True:
+            elapsed = time.monotonic() - t_start
+            if _agreed(elapsed >= budget or (cfg.max_steps is not None and step - step0 >= cfg.max_steps), ddp):
+                break
+            pick = np.random.default_rng([cfg.seed, step, 11])
+            shorter = length > cfg.start_length and pick.random() < cfg.shorter_share
+            step_len = cfg.start_length * 2 ** int(pick.integers(math.log2(length // cfg.start_length))) if shorter else length
+            ids, weights, row_tasks = make_batch(cfg, step_len, step * world + rank, tokenizer)
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(cfg, step - step0, elapsed)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits = net(input_ids=ids, use_cache=False).logits  # (B, T, V)
+            logits = logits.float()
+            ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            loss = weighted_loss(ce, weights[:, 1:], cfg)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if not (bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))):
+                raise TrainError(f"training diverged at step {step}: loss {loss.item()}, gradient norm {grad_norm.item()} "
+                                 f"(lr {cfg.lr:g}); nothing of this run was saved as a model (periodic saves, if any, are "
+                                 f"in {str(partial_dir(out))!r}) — lower --set lr=... and train again")
+            optimizer.step()
+            has, exact, first = answer_stats(logits.detach(), ids, weights, cfg.answer_weight)
+            for r, task in enumerate(row_tasks):
+                if has[r] and not shorter:
+                    windows[task].append(float(exact[r]))
+                    first_windows[task].append(float(first[r]))
+            losses.append(loss.item())
+            step += 1
+            state["tokens"] += int(ids.numel()) * world
+            now = time.monotonic()
+            bar.update(round(now - t_start) - bar.n)
+            em = {t: sum(w) / len(w) for t, w in windows.items() if w}
+            ft = {t: sum(w) / len(w) for t, w in first_windows.items() if w}
+            metric = ft if cfg.advance_metric == "first_token" else em
+            gate = [metric.get(t, 0.0) for t in GATE_TASKS]
+            full = all(len(windows[t]) >= cfg.window // 2 for t in GATE_TASKS)
+            if (step - step0) % cfg.log_every == 0:
+                point = {"step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                         "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
+                         "exact": {t: round(v, 3) for t, v in em.items()},
+                         "first_token": {t: round(v, 3) for t, v in ft.items()}}
+                state["curve"].append(point)
+                losses = []
+                bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
+                log(json.dumps(point))
+            patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
+            if _agreed(length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience), ddp):
+                state["stages"].append({"length": length, "step": step, "minutes": round((state["seconds"] + now - t_start) / 60, 2),
+                                        "exact": {t: round(em.get(t, 0.0), 3) for t in GATE_TASKS},
+                                        "first_token": {t: round(ft.get(t, 0.0), 3) for t in GATE_TASKS}})
+                log(f"advance: length {length} -> {2 * length} at step {step} ({state['stages'][-1]})")
+                length = min(2 * length, cfg.max_length)
+                stage_start = now
+                for w in (*windows.values(), *first_windows.values()):
+                    w.clear()
+            state["step"], state["length"] = step, length
+            if rank == 0 and now - last_save > cfg.save_every_min * 60:
+                save_run(model, tokenizer, optimizer, partial_dir(out), {**state, "seconds": state["seconds"] + now - t_start})
+                last_save = now
+    bar.close()
+    state["seconds"] += time.monotonic() - t_start
+    model.eval()
+    if rank == 0:
+        save_run(model, tokenizer, optimizer, out, state)
+        drop_partial(out)
+    return state
+
+
+def _agreed(flag: bool, ddp: bool) -> bool:
+    """Rank 0's decision on every rank (a no-op without a process group)."""
+    if not ddp:
+        return flag
+    t = torch.tensor([float(flag)])
+    torch.distributed.broadcast(t, 0)
+    return bool(t.item())
+
+
+__all__ = ["ARCHS", "GATE_TASKS", "TASK_MIX", "TrainConfig", "TrainError", "load_state", "make_batch",
+           "model_config", "train"]

@@ -1,0 +1,228 @@
+"""``kvstate transfer ...``: calibrate an SCD codec, serve payloads, generate from them, benchmark.
+
+Semantic Cache Distillation (*Semantic Cache Distillation: Efficient State Transfer via Reuse and
+Selective Patching*, ``docs/techniques.md#across-models``). torch / transformers load lazily inside
+the commands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstate.errors import KVStateError
+
+app = typer.Typer(no_args_is_help=True, help="State transfer across models: Semantic Cache Distillation (SCD).")
+console = Console()
+DEFAULT_CODEC = Path("models/codec-ref-attn-ft")
+
+
+def _threads(n: int) -> None:
+    import torch
+
+    if n < 1:
+        raise KVStateError(f"--threads {n} must be >= 1")
+    torch.set_num_threads(n)
+
+
+def _patch(value: str) -> int | None:
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise KVStateError(f"--patch {value!r} must be 'auto' or a layer count k >= 0")
+    return int(value)
+
+
+@app.command("calibrate")
+def calibrate_command(
+    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory (prefills).")],
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory (decodes).")],
+    out: Annotated[Path, typer.Option("--out", help="Codec directory to write.")],
+    prefixes: Annotated[int, typer.Option("--prefixes", help="Calibration prefixes (a quarter held out).")] = 24,
+    length: Annotated[int, typer.Option("--length", help="Tokens per prefix.")] = 512,
+    rank_k: Annotated[int, typer.Option("--rank-k", help="Key code channels per KV head.")] = 16,
+    rank_v: Annotated[int, typer.Option("--rank-v", help="Value code channels per KV head.")] = 32,
+    rank_h: Annotated[int, typer.Option("--rank-h", help="H_in code channels per PATCH layer.")] = 64,
+    patch: Annotated[str, typer.Option("--patch", help="PATCH layers: 'auto' or a count k.")] = "auto",
+    bits: Annotated[int, typer.Option("--bits", help="Code precision on the wire: 8, 4, 16 or 32.")] = 8,
+    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'regress' (producer -> consumer) or "
+                                           "'pca' (the producer's principal subspace).")] = "regress",
+    seed: Annotated[int, typer.Option("--seed", help="Calibration data stream.")] = 7919,
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+) -> None:
+    """Fit REUSE maps and PATCH aligners on paired prefixes; choose the transition layers; save the codec."""
+    from tqdm.auto import tqdm
+
+    from kvstate.lab.harness import load_reference
+    from kvstate.lab.transfer.prompts import calibration_prompts
+    from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
+
+    _threads(threads)
+    cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
+                            prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map)
+    p, tok = load_reference(producer)
+    c, _ = load_reference(consumer)
+    prompts = calibration_prompts(tok, cfg)
+    n_hold = max(1, len(prompts) // 4)
+    total = (len(prompts) - n_hold) + p.config.num_hidden_layers + n_hold
+    with tqdm(total=total, desc="calibrate", unit="step") as bar:
+        codec = calibrate_on(p, c, prompts, cfg, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+    codec.save(out)
+    info = codec.info
+    table = Table(title=f"codec {out}: patch layers {list(codec.config.patch_layers)}")
+    for col in ("layer", "raw drift K/V", "REUSE err K/V", "PATCH err K/V", "KL raw/REUSE/PATCH (this layer)"):
+        table.add_column(col, justify="right")
+    for i in range(codec.geometry.n_layers):
+        table.add_row(str(i), f"{info['raw_drift_k'][i]:.3f} / {info['raw_drift_v'][i]:.3f}",
+                      f"{info['reuse_err_k'][i]:.3f} / {info['reuse_err_v'][i]:.3f}",
+                      f"{info['patch_err_k'][i]:.3f} / {info['patch_err_v'][i]:.3f}",
+                      f"{info['impact_raw'][i]:.4f} / {info['impact_reuse'][i]:.4f} / {info['impact_patch'][i]:.4f}")
+    console.print(table)
+    console.print(f"next-token KL vs the consumer, all layers: {info['kl_all_layers']}")
+
+
+@app.command("serve")
+def serve_command(
+    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")],
+    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory (kvstate transfer calibrate).")] = DEFAULT_CODEC,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 7070,
+    store: Annotated[str, typer.Option("--store", help="Payload store: memory:// or redis://HOST:PORT/DB.")] = "memory://",
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+) -> None:
+    """Serve SCD payloads of prompt prefixes over TCP until interrupted."""
+    import asyncio
+
+    from kvstate.lab.harness import load_reference
+    from kvstate.transfer.codec import Codec
+    from kvstate.transfer.serving import producer_service
+    from kvstate.transfer.store import open_store
+    from kvstate.transfer.transport import ServerConfig, start_server
+
+    _threads(threads)
+    codec = Codec.load(codec_dir)
+    model, _ = load_reference(producer)
+    service = producer_service(model, codec, open_store(store))
+
+    async def main() -> None:
+        server = await start_server(service, ServerConfig(host=host, port=port))
+        bound = server.sockets[0].getsockname()
+        console.print(f"serving SCD payloads for pair {codec.pair.hex()[:12]}… on {bound[0]}:{bound[1]} "
+                      f"(store {store}); Ctrl-C stops")
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        console.print(f"stopped after {service.served} payloads ({service.hits} from the store)")
+
+
+@app.command("generate")
+def generate_command(
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")],
+    server: Annotated[str, typer.Option("--server", help="Producer address HOST:PORT.")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt text (the producer prefills all but its last token).")],
+    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate.")] = 32,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per network step.")] = 60.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+) -> None:
+    """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
+    from dataclasses import asdict
+
+    from kvstate.lab.harness import load_reference
+    from kvstate.transfer.codec import Codec
+    from kvstate.transfer.serving import consumer_generate
+
+    _threads(threads)
+    if max_new_tokens < 1:
+        raise KVStateError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    codec = Codec.load(codec_dir)
+    model, tok = load_reference(consumer)
+    gen = consumer_generate(model, tok, codec, server, prompt, max_new_tokens, timeout)
+    if as_json:
+        print(json.dumps(asdict(gen)))
+        return
+    console.print(gen.text)
+    console.print(f"[dim]{gen.prompt_tokens} prompt tokens, payload {gen.payload_bytes:,} B "
+                  f"({'store' if gen.cached else 'encoded'}), wire {gen.wire_ms:.1f} ms, decode {gen.decode_ms:.1f} ms, "
+                  f"generate {gen.generate_ms:.1f} ms[/]")
+
+
+@app.command("bench")
+def bench_command(
+    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")] = Path("models/ref-attn-ft"),
+    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
+    n: Annotated[int, typer.Option("--n", help="Examples per needle task and length.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Evaluation seed.")] = 0,
+    lengths: Annotated[str, typer.Option("--length", help="Comma-separated context lengths.")] = "1024,2048",
+    ppl_n: Annotated[int, typer.Option("--ppl-n", help="Held-out text examples for perplexity.")] = 4,
+    weak_n: Annotated[int, typer.Option("--weak-n", help="Examples per weak task (vt, fwe, cwe, qa).")] = 3,
+    ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the PATCH-budget ablation (0: skip).")] = 3,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON as the last line.")] = False,
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+) -> None:
+    """oracle / raw / kv4bit / droidspeak / reuse / scd on the same prompts: quality, bytes, TTFT."""
+    from tqdm.auto import tqdm
+
+    from kvstate.lab.cli_models import parse_lengths
+    from kvstate.lab.harness import load_reference
+    from kvstate.lab.report.html import atomic_write_text
+    from kvstate.lab.transfer.bench import BenchConfig, run_bench
+    from kvstate.transfer.codec import Codec
+
+    _threads(threads)
+    cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_lengths(lengths)), ppl_n=ppl_n, weak_n=weak_n,
+                      ablation_n=ablation_n)
+    codec = Codec.load(codec_dir)
+    p, tok = load_reference(producer)
+    c, _ = load_reference(consumer)
+    L = codec.geometry.n_layers
+    total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + \
+        ((L + 1) * (1 + ppl_n) + 4 if ablation_n else 0)
+    with tqdm(total=total, desc="bench", unit="ex") as bar:
+        result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+    result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir))
+    line = json.dumps(result)
+    if out is not None:
+        atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+    table = Table(title=f"transfer bench: {producer} -> {consumer}, n={n}, lengths {lengths}")
+    for col in ("method", "score", "F1", "ppl", "B/token", "consumer ms", *(f"TTFT@{b}G ms" for b in ("1", "10", "100")),
+                "loopback ms"):
+        table.add_column(col, justify="right")
+    for r in result["results"]:
+        table.add_row(r["method"], f"{r['score']:.3f}", f"{r['f1']:.3f}", f"{r['ppl']:.3f}",
+                      f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}",
+                      *(f"{r['ttft_ms'][b]:.1f}" for b in ("1", "10", "100")), f"{r['loopback_ms']:.1f}")
+    console.print(table)
+    if as_json:
+        print(line)
+
+
+@app.command("card")
+def card_command(
+    model: Annotated[Path, typer.Option("--model", help="The fine-tuned consumer directory.")] = Path("models/ref-attn-ft"),
+    base: Annotated[Path, typer.Option("--base", help="The model it was fine-tuned from.")] = Path("models/ref-attn"),
+    bench: Annotated[Path | None, typer.Option("--bench", help="kvstate transfer bench JSON to quote.")] = None,
+    command: Annotated[str, typer.Option("--command", help="The fine-tune / calibrate command, quoted in the card.")] = "",
+    codec_dir: Annotated[Path | None, typer.Option("--codec", help="Write CODEC/README.md instead (from its manifest).")] = None,
+) -> None:
+    """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench), or a codec's card."""
+    from kvstate.lab.report.html import atomic_write_text
+    from kvstate.lab.transfer.card import codec_card, consumer_card
+
+    if codec_dir is not None:
+        atomic_write_text(codec_dir / "README.md", codec_card(codec_dir, command))
+        console.print(f"wrote {codec_dir / 'README.md'}")
+        return
+    atomic_write_text(model / "README.md", consumer_card(model, base, bench, command))
+    console.print(f"wrote {model / 'README.md'}")

@@ -1,0 +1,167 @@
+"""Training with stochastic KV routing: depth_train on a tiny start model, and 2-process DDP under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvstate.depth.patterns import PatternError
+from kvstate.errors import KVStateError
+from kvstate.lab.depth.train import DepthTrainConfig, depth_train
+from kvstate.lab.training.train import TrainConfig, load_state, train
+
+SMALL = {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "num_layers": 4,
+         "start_length": 64, "max_length": 64, "tokens_per_step": 256, "bf16": False, "threads": 1}
+FAST = {"lr": 2e-3, "log_every": 5, "warmup_steps": 2, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    out = tmp_path_factory.mktemp("depth") / "start"
+    train(TrainConfig(minutes=5, max_steps=2, **SMALL), out, progress=False, log=lambda *_: None)
+    return out
+
+
+def test_depth_train_records_routing_and_resumes(start, tmp_path):
+    out = tmp_path / "rcla"
+    state = depth_train(start, out, DepthTrainConfig(p=0.5, length=64, tokens=5 * 256), overrides=FAST,
+                        progress=False, log=lambda *_: None)
+    assert state["step"] == 2 + 5 and load_state(out)["depth"]["p"] == 0.5
+    assert sum(load_state(out)["depth"]["parts"][0]["draw_counts"].values()) == 5
+    again = depth_train(start, out, DepthTrainConfig(p=0.5, length=64, tokens=3 * 256), resume=True, overrides=FAST,
+                        progress=False, log=lambda *_: None)
+    saved = load_state(out)
+    assert again["step"] == 10 and [p["to_step"] for p in saved["depth"]["parts"]] == [7, 10]
+    spec = depth_train(start, tmp_path / "cla2", DepthTrainConfig(pattern="0_0_2_2", length=64, tokens=256),
+                       overrides=FAST, progress=False, log=lambda *_: None)
+    assert spec["depth"]["pattern"] == "0_0_2_2" and spec["depth"]["p"] is None
+
+
+def test_depth_train_bad_input(start, tmp_path):
+    with pytest.raises(PatternError, match="p"):
+        DepthTrainConfig(p=1.5, tokens=10)
+    with pytest.raises(KVStateError, match="--minutes M or --tokens N"):
+        DepthTrainConfig(p=0.5)
+    with pytest.raises(PatternError, match="layer 1"):
+        depth_train(start, tmp_path / "x", DepthTrainConfig(pattern="0_2_2_2", length=64, tokens=256),
+                    overrides=FAST, progress=False, log=lambda *_: None)
+
+
+WORKER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch, torch.distributed as dist
+    import kvstate.lab.depth.train as T
+
+    seen = {}
+    factory = T._routing_factory
+    def spy(cfg, pattern):  # keep each rank's in-memory model to compare weights across ranks
+        f = factory(cfg, pattern)
+        def wrap(model):
+            seen["model"] = model
+            ctx = f(model)
+            wrap.routing = getattr(f, "routing", None)
+            return ctx
+        return wrap
+    T._routing_factory = spy
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    state = T.depth_train(sys.argv[1], sys.argv[2], T.DepthTrainConfig(p=0.5, length=64, tokens=30 * 256),
+                          overrides=json.loads(sys.argv[3]), progress=False, log=lambda *_: None)
+    flat = torch.cat([p.detach().flatten() for p in seen["model"].parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    dist.destroy_process_group()
+    # one file per rank: two processes printing to one pipe can interleave their lines
+    Path(sys.argv[2] + f".result-{rank}.json").write_text(json.dumps({
+        "rank": rank, "draws": state["depth"]["parts"][-1]["draw_counts"],
+        "curve": [c["loss"] for c in state["curve"]], "sync": float((gathered[0] - gathered[1]).abs().max())}))
+""")
+
+
+def test_two_process_ddp_loss_falls_and_ranks_stay_in_sync(start, tmp_path):
+    """torchrun, gloo, 2 CPU processes: each rank draws its own routes; weights stay identical."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "ddp"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), str(start), str(out), json.dumps(FAST)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("ddp.result-*.json"))]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert results[0]["draws"] != results[1]["draws"]  # each rank draws its own routes
+    curve = next(r["curve"] for r in results if r["rank"] == 0)
+    assert curve[-1] < curve[0], curve  # the loss falls
+    assert all(r["sync"] == 0.0 for r in results)  # ranks hold identical weights (DDP all-reduced every step)
+
+
+def test_evaluate_sharing_shape_and_measured_bytes(start):
+    from kvstate.lab.depth.evaluate import evaluate_sharing
+
+    res = evaluate_sharing(start, [1, 0.5, 0.25], "keep", n=1, seed=0, tasks=["niah_single"], lengths=[256],
+                           ppl_length=128)
+    assert set(res) == {"model", "results"} and [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
+    for r in res["results"]:
+        assert set(r) == {"keep", "pattern", "ppl", "score", "kv_bytes_per_token", "decode_tok_s"}
+        assert r["kv_bytes_per_token"] == r["keep"] * 4 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head_dim x fp32
+    with pytest.raises(PatternError, match="not a whole number"):
+        evaluate_sharing(start, [0.3], "keep", n=1)
+
+
+def test_cli_eval_rejects_unrealisable_keep_and_card_needs_a_depth_run(start, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    r = CliRunner().invoke(app, ["depth", "eval", "--model", str(start), "--keep", "1,0.3"])
+    assert r.exit_code != 0 and "0.3" in str(r.exception)
+    r = CliRunner().invoke(app, ["depth", "card", "--model", str(start)])
+    assert r.exit_code != 0 and "not a depth run" in str(r.exception)
+
+
+def test_card_and_report_section_read_the_committed_files(start, tmp_path):
+    from kvstate.lab.depth.card import card_text
+    from kvstate.lab.depth.section import build
+
+    run = tmp_path / "models" / "ref-attn-rcla"
+    depth_train(start, run, DepthTrainConfig(p=0.5, length=64, tokens=2 * 256), overrides=FAST, progress=False,
+                log=lambda *_: None)
+    rows = lambda ppl, score: [{"keep": k, "pattern": p, "ppl": ppl[i], "score": score[i],  # noqa: E731
+                                "kv_bytes_per_token": 4096 * k, "decode_tok_s": 10.0}
+                               for i, (k, p) in enumerate([(1, "0_1_2_3"), (0.5, "0_0_2_2")])]
+    files = {"ref-attn-rcla": rows([10.0, 10.2], [0.5, 0.49]), "ref-attn-norouting": rows([9.9, 30.0], [0.6, 0.1]),
+             "ref-attn-cla2": rows([20.0, 10.1], [0.1, 0.5]), "ref-attn": rows([9.8, 50.0], [0.6, 0.0])}
+    for name, res in files.items():
+        (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "models" / name / "depth_eval.json").write_text(json.dumps({"model": name, "results": res}))
+    text = card_text(run)
+    assert "p = 0.5" in text and "| 0.5 | `0_0_2_2` | 10.200 |" in text
+    section = build(tmp_path, tmp_path / "models")
+    met = {h.target: h.met for h in section.headline}
+    assert met["R-CLA keep 0.5 within 3% ppl of keep 1.0"] is True
+    assert met["R-CLA keep 1.0 within 2% ppl of the no-routing control"] is True
+    assert met["post-hoc sharing of the base model measurably worse at keep <= 0.5"] is True
+    assert met["R-CLA within 2% ppl of the CLA2 specialist at 0_0_2_2"] is True
+    assert met["the CLA2 specialist degrades at patterns it was not trained for"] is True
+    assert all(met[t] for t in met if t.startswith("KV bytes"))
+    assert (tmp_path / "depth_quality_vs_kv.png").is_file()
+
+
+def test_cli_depth_train_writes_model_and_card(start, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    out = tmp_path / "cli-run"
+    r = CliRunner().invoke(app, ["depth", "train", "--model", str(start), "--out", str(out), "--p", "0.5",
+                                 "--tokens", "512", "--length", "64", "--set", "log_every=1", "--set", "bf16=false"])
+    assert r.exit_code == 0, r.output
+    assert load_state(out)["depth"]["p"] == 0.5 and "p = 0.5" in (out / "README.md").read_text()

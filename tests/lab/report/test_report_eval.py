@@ -1,0 +1,50 @@
+"""The report's reference-model section runs the harness on each model dir that has a tokenizer."""
+
+from __future__ import annotations
+
+from kvstate.lab.report import eval_section
+from kvstate.lab.workloads import build_tokenizer
+from kvstate.models import tiny_model
+
+
+def test_eval_section_scores_each_reference_model(tmp_path, monkeypatch):
+    tok = build_tokenizer()
+    model = tiny_model("qwen3", vocab_size=len(tok))
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    (tmp_path / "no-tokenizer").mkdir()
+    model.save_pretrained(tmp_path / "no-tokenizer")
+    monkeypatch.setattr(eval_section, "N", 1)
+    monkeypatch.setattr(eval_section, "LENGTHS", [256])
+    monkeypatch.setattr(eval_section, "GATE_N", 1)
+    section = eval_section.build(tmp_path, tmp_path)
+    rows = section.details[0].rows
+    assert [r[0] for r in rows] == ["m"] * len(eval_section.TASKS)
+    assert all(0.0 <= r[4] <= 1.0 for r in rows)
+    pivot = section.tables[0]
+    assert pivot.columns == ["task", "m @ 256"] and [r[0] for r in pivot.rows] == eval_section.TASKS
+    assert [r[1] for r in pivot.rows] == [f"{r[4]:.2f}" for r in rows]
+    assert (tmp_path / "eval_scores.png").stat().st_size > 1000
+    assert set(section.summary["models"]) == {"m"}
+    gate = section.summary["gate"]["m"]
+    assert gate["n"] == 1 and gate["met"] == all(gate[t] >= 0.9 for t in eval_section.GATE_TASKS)
+    [row] = section.headline
+    assert row.met is gate["met"] and row.measured.startswith(f"{gate['niah_single']:.2f} / ")
+    assert not (tmp_path / "eval_learning_curves.png").exists()  # no training_state.json: no curve
+
+
+def test_learning_curve_figure_reads_training_state(tmp_path):
+    import json
+
+    (tmp_path / "m").mkdir()
+    curve = [{"minutes": t, "length": 64 * 2 ** (t // 4), "exact": {"niah_single": t / 10, "niah_multikey": t / 20}}
+             for t in range(10)]
+    (tmp_path / "m" / "training_state.json").write_text(json.dumps({"curve": curve}))
+    fig = eval_section.curve_figure([tmp_path / "m"], tmp_path)
+    assert fig is not None and (tmp_path / fig.filename).stat().st_size > 1000
+    assert eval_section.curve_figure([tmp_path / "absent"], tmp_path) is None
+
+
+def test_eval_section_without_models_says_so(tmp_path):
+    section = eval_section.build(tmp_path, tmp_path / "none")
+    assert "No reference model" in section.intro and not section.tables

@@ -1,0 +1,193 @@
+"""The report page and its builder: section interface, page shape, summary.json, and a report that is never lost."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from kvstate.errors import KVStateError
+from kvstate.lab.report import build as build_mod
+from kvstate.lab.report import plots
+from kvstate.lab.report.build import ReportOutputError, build_report, is_report_dir
+from kvstate.lab.report.html import (
+    COLLAPSE_ROWS,
+    SCHEMA_VERSION,
+    Figure,
+    HeadlineRow,
+    Section,
+    Table,
+    pct,
+    pivot,
+    render,
+    summary_json,
+    write_report,
+)
+
+
+def _png(out_dir, name="f.png"):
+    fig, axes = plots.figure(0.3, 2)
+    axes[0][0].plot([0, 1], [0, 1])
+    return plots.save(fig, out_dir, name)
+
+
+def test_old_style_section_still_renders_figures_before_tables():
+    # the fields sections used before conclusion / details / paper existed, positionally
+    old = Section("k", "Technique: thing", "how it was measured", [Table("t", ["a"], [[1]])],
+                  [Figure("fig", "f.png")], {"x": 1}, [HeadlineRow("thing", "x >= 1", "1", True)])
+    page = render([old])
+    assert page.index("<img src='f.png'") < page.index("<caption>t</caption>")
+    assert page.index("id='headline-table'") < page.index("<section id='k'>")
+    assert "<details>" not in page and "1 of 1 targets met" in page
+
+
+def test_long_tables_and_details_are_collapsed_and_conclusion_comes_first():
+    long = Table("long", ["i"], [[i] for i in range(COLLAPSE_ROWS + 1)])
+    s = Section("k", "T", intro="method", conclusion="we found 3", paper="A Paper", tables=[long],
+                details=[Table("full", ["a"], [[1]])])
+    page = render([s])
+    details = page[page.index("<details>"):page.index("</details>")]
+    assert "<caption>long</caption>" in details and "<caption>full</caption>" in details
+    assert page.index("we found 3") < page.index("method") < page.index("<details>")
+    assert "<cite>A Paper</cite>" in page and "href='#k'" in page
+
+
+def test_headline_counts_met_missed_undecided():
+    rows = [HeadlineRow("a", "t", "1", True), HeadlineRow("a", "t", "2", False), HeadlineRow("a", "t", "?", None)]
+    page = render([Section("k", "T", headline=rows)])
+    assert "1 of 3 targets met</strong>, 1 missed, 1 undecided" in page
+    assert page.count("class='missed'") == 1 and page.count("class='open'") == 1
+    import numpy as np
+
+    assert HeadlineRow("a", "t", "1", np.float64(1.0) <= 2).met is True  # numpy.bool_ is coerced
+
+
+def test_duplicate_keys_and_bad_figure_names_are_refused(tmp_path):
+    with pytest.raises(KVStateError, match="share a key"):
+        render([Section("k", "A"), Section("k", "B")])
+    with pytest.raises(KVStateError, match="bare file name"):
+        render([Section("k", "A", figures=[Figure("f", "../x.png")])])
+    with pytest.raises(KVStateError, match="was not written"):
+        write_report(tmp_path, [Section("k", "A", figures=[Figure("f", "absent.png")])])
+
+
+def test_summary_json_has_schema_headline_and_strict_numbers(tmp_path):
+    import numpy as np
+
+    s = Section("k", "T", summary={"nan": math.nan, "np": np.float64(0.25), "arr": np.arange(3)},
+                headline=[HeadlineRow("t", "x", "0.25", True)])
+    s.seconds = 1.5
+    write_report(tmp_path, [s], {"torch_threads": 1})
+    data = json.loads((tmp_path / "summary.json").read_text())  # strict JSON: NaN became null
+    assert data["schema_version"] == SCHEMA_VERSION and data["generator"] == "kvstate report"
+    assert data["sections"]["k"] == {"nan": None, "np": 0.25, "arr": [0, 1, 2]}
+    assert data["headline"] == [{"section": "k", "technique": "t", "target": "x", "measured": "0.25", "met": True}]
+    assert data["run"]["sections"] == [{"key": "k", "title": "T", "paper": "", "seconds": 1.5}]
+    assert oct((tmp_path / "summary.json").stat().st_mode & 0o777) == "0o644"
+    assert summary_json([s])["sections"]["k"]["nan"] is s.summary["nan"]  # the section's dict is not modified
+    with pytest.raises(KVStateError, match="not JSON-serialisable"):
+        write_report(tmp_path, [Section("k", "T", summary={"x": object()})])
+
+
+def test_pivot_and_pct():
+    records = [{"M": m, "method": k, "v": m / 10 + (k == "b") / 100} for m in (1, 2) for k in ("a", "b")]
+    t = pivot(records, "M", "method", "v", "title", fmt=pct)
+    assert t.columns == ["M", "a", "b"]
+    assert t.rows == [[1, "10.0%", "11.0%"], [2, "20.0%", "21.0%"]]
+    assert pivot(records[:3], "M", "method", "v").rows[1] == [2, "0.2", "—"]
+    assert pct(None) == "—" and pct(math.nan) == "—" and pct(0.12345, 2) == "12.35%"
+
+
+def test_palette_is_fixed_for_known_and_stable_for_new_names():
+    assert plots.color("optimal") == plots.PALETTE["optimal"]
+    assert plots.color("some new method") == "#bcbd22" in plots._BASE  # crc32, not hash(): the same in every run
+    assert plots.color("optimal") != plots.color("block")
+
+
+def test_heatmap_annotates_cells_and_declines_a_flat_grid(tmp_path):
+    fig, axes = plots.figure(0.4, 2)
+    ax = axes[0][0]
+    assert not plots.heatmap(ax, [[1.0, 1.0], [1.0, None]], ["a", "b"], ["x", "y"], "len (tokens)", "depth")
+    assert not ax.images  # nothing drawn
+    assert plots.heatmap(ax, [[0.95, 1.0], [0.5, None]], ["a", "b"], ["x", "y"], "len (tokens)", "depth")
+    assert sorted(t.get_text() for t in ax.texts) == ["0.50", "0.95", "1.00"]
+    lo, hi = ax.images[0].get_clim()
+    assert (lo, hi) == (0.5, 1.0)  # the scale spans the values present
+    plots.save(fig, tmp_path, "h.png")
+
+
+# --- the report directory is replaced whole or not at all --------------------------------------------------
+
+
+def _fast(out_dir, models_dir):
+    return Section("fast", "Fast", figures=[Figure("f", _png(out_dir, "fast.png"))], summary={"v": 1},
+                   headline=[HeadlineRow("fast", "v = 1", "1", True)])
+
+
+def _other(out_dir, models_dir):
+    return Section("other", "Other", figures=[Figure("g", _png(out_dir, "other.png"))])
+
+
+def _failing(out_dir, models_dir):
+    _png(out_dir, "half.png")
+    raise RuntimeError("section failed midway")
+
+
+def _snapshot(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_failed_run_leaves_the_previous_report_whole(tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    monkeypatch.setattr(build_mod, "SECTIONS", [("fast", _fast), ("fail", _failing)])
+    build_report(out, tmp_path, only=["fast"])
+    before = _snapshot(out)
+    assert set(before) == {"index.html", "summary.json", "fast.png"}
+    with pytest.raises(RuntimeError, match="midway"):
+        build_report(out, tmp_path)
+    assert _snapshot(out) == before  # no fresh plot beside the old page, nothing rewritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]  # no staging directory left behind
+
+
+def test_a_new_report_replaces_the_old_one_entirely(tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    monkeypatch.setattr(build_mod, "SECTIONS", [("fast", _fast), ("other", _other)])
+    build_report(out, tmp_path)
+    build_report(out, tmp_path, only=["other"])
+    assert set(_snapshot(out)) == {"index.html", "summary.json", "other.png"}  # fast.png went with the old report
+    assert json.loads((out / "summary.json").read_text())["run"]["wall_seconds"] >= 0
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report"]
+
+
+def test_output_that_is_not_a_report_is_refused_before_any_work(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(build_mod, "SECTIONS", [("fast", lambda o, m: calls.append(o) or _fast(o, m))])
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("keep me")
+    with pytest.raises(ReportOutputError, match="is not a kvstate report"):
+        build_report(notes, tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ReportOutputError, match="is a file"):
+        build_report(tmp_path / "file", tmp_path)
+    with pytest.raises(KVStateError, match="no such report section"):
+        build_report(tmp_path / "new", tmp_path, only=["nope"])
+    assert not calls and (notes / "thesis.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "notes"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert is_report_dir(empty)
+    build_report(empty, tmp_path)
+    assert is_report_dir(empty) and not is_report_dir(notes)
+
+
+def test_unwritable_parent_is_reported_before_any_work(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    calls = []
+    monkeypatch.setattr(build_mod, "SECTIONS", [("fast", lambda o, m: calls.append(o) or _fast(o, m))])
+    with pytest.raises(ReportOutputError, match="cannot write next to it"):
+        build_report(Path("/proc/kvstate-report"), tmp_path)  # not writable, even for root
+    assert not calls

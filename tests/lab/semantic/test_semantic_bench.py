@@ -1,0 +1,151 @@
+"""The compress-then-ask benchmark: task-file round trip through the kvpress runner, baselines, CLI errors."""
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvstate.errors import KVStateError
+from kvstate.lab.semantic.baselines_kvpress import run_presses, snake
+from kvstate.lab.semantic.bench import run_method, summarise
+from kvstate.lab.semantic.protocol import (
+    MULTI_Q,
+    build_items,
+    items_to_rows,
+    read_jsonl,
+    rows_to_items,
+    write_jsonl,
+)
+from kvstate.lab.workloads import build_tokenizer
+from kvstate.models import tiny_model
+from kvstate.semantic.segment import SegmentConfig
+
+FAKE_KVPRESS = textwrap.dedent('''
+    """A stand-in for kvpress: a press that keeps everything (so the runner must equal the full cache)."""
+    import contextlib
+
+    class KeepAllPress:
+        def __init__(self, compression_ratio=0.0):
+            self.compression_ratio = compression_ratio
+
+        def __call__(self, model):
+            return contextlib.nullcontext()
+''')
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    tok = build_tokenizer()
+    model = tiny_model("qwen3", vocab_size=len(tok))
+    d = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d, model, tok
+
+
+def test_task_file_round_trip(tmp_path, model_dir):
+    _, _, tok = model_dir
+    items = build_items(tok, "niah_single", 128, 2, 0) + build_items(tok, MULTI_Q, 160, 1, 0)
+    assert len(items[-1].questions) == 4 and items[-1].answers[0] != items[-1].answers[1]
+    write_jsonl(tmp_path / "t.jsonl", items_to_rows(items))
+    assert rows_to_items(read_jsonl(tmp_path / "t.jsonl")) == items
+
+
+def test_runner_with_keep_all_press_equals_full_cache(tmp_path, model_dir, monkeypatch):
+    d, model, tok = model_dir
+    (tmp_path / "fake" / "kvpress").mkdir(parents=True)
+    (tmp_path / "fake" / "kvpress" / "__init__.py").write_text(FAKE_KVPRESS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    items = build_items(tok, "niah_single", 96, 1, 0) + build_items(tok, MULTI_Q, 128, 1, 0)
+    got, errors = run_presses(Path(sys.executable), d, items,
+                              ["KeepAllPress", "MissingPress"], [0.5], tmp_path / "work")
+    ref = run_method("full", model, tok, items, 1.0, None, SegmentConfig())
+    assert [o.prediction for o in got] == [o.prediction for o in ref]
+    assert [o.fast_bytes for o in got] == [o.fast_bytes for o in ref]
+    assert {o.method for o in got} == {"keep_all_press"} and {o.budget for o in got} == {0.5}
+    assert errors and "MissingPress" in errors[0]["error"]
+
+
+def test_in_process_methods_and_summary(model_dir):
+    _, model, tok = model_dir
+    items = build_items(tok, "niah_single", 160, 1, 0)
+    seg = SegmentConfig(sinks=2, recent=8, max_span=8)
+    rows = summarise(run_method("sekv", model, tok, items, 0.4, None, seg)
+                     + run_method("sentencekv", model, tok, items, 0.4, None, seg))
+    by = {r["method"]: r for r in rows}
+    assert by["sekv"]["n"] == 1 and by["sekv"]["slow_bytes"] > 0 and by["sentencekv"]["slow_bytes"] == 0
+    assert by["sekv"]["fast_bytes"] <= 0.4 * 4 * 2 * 2 * 16 * len(items[0].context) * 2
+    with pytest.raises(ValueError, match="unknown in-process method"):
+        run_method("h2o", model, tok, items, 0.4, None, seg)
+
+
+def test_snake_names():
+    assert [snake(n) for n in ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress")] == [
+        "snap_kv_press", "streaming_llm_press", "tova_press", "expected_attention_press"]
+
+
+def test_cli_rejects_bad_inputs(tmp_path):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--task", "nope"])
+    assert r.exit_code != 0 and isinstance(r.exception, KVStateError) and "unknown task" in str(r.exception)
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--budget", "1.5"])
+    assert isinstance(r.exception, KVStateError) and "--budget" in str(r.exception)
+
+
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("qwen3_5", marks=pytest.mark.slow)])
+def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
+    import dataclasses
+    import math
+
+    import torch
+
+    from kvstate.lab.semantic.protocol import CONTINUATION, PPL
+    from kvstate.semantic.cache import SemanticConfig
+
+    tok = build_tokenizer()
+    model = tiny_model(family, vocab_size=len(tok))
+    items = build_items(tok, PPL, 128, 2, 0)
+    assert all(len(it.context) == 128 and 24 <= len(it.questions[0]) <= CONTINUATION for it in items)
+    assert items[0].context != items[1].context
+    items = [dataclasses.replace(it, questions=[it.questions[0][:20]]) for it in items]  # keep the test short
+    seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
+    full = run_method("full", model, tok, items, 1.0, None, seg)
+    exact = run_method("sekv", model, tok, items, 0.4, None, seg,
+                       config=SemanticConfig(budget=0.4, zoom="all", rank=64, segment=seg))
+    lossy = run_method("sekv", model, tok, items, 0.4, None, seg,
+                       config=SemanticConfig(budget=0.4, zoom="none", segment=seg))
+    with torch.no_grad():  # brute force: one full forward over context + continuation
+        nll = 0.0
+        for it in items:
+            ids = torch.tensor([it.context + it.questions[0]])
+            logits = model(input_ids=ids).logits[0, len(it.context):-1].float()
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, len(it.context) + 1:], reduction="sum"))
+    count = sum(len(it.questions[0]) - 1 for it in items)
+    rows = {r["method"] + str(i): r for i, rs in enumerate((full, exact, lossy)) for r in summarise(rs)}
+    ref = math.exp(nll / count)
+    assert rows["full0"]["tokens"] == count and rows["full0"]["task"] == "ppl" and rows["full0"]["score"] == rows["full0"]["ppl"]
+    assert abs(rows["full0"]["ppl"] - ref) < 1e-4 * ref
+    assert all(abs(a.nll - b.nll) < 1e-4 for a, b in zip(full, exact, strict=True))
+    assert abs(rows["sekv1"]["ppl"] - rows["full0"]["ppl"]) < 1e-4 * ref and rows["sekv1"]["slow_bytes"] > 0
+    assert abs(rows["sekv2"]["ppl"] - ref) > 1e-3 * ref  # the oracle can fail
+
+
+def test_cli_ppl_rows(tmp_path, model_dir):
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    d, _, _ = model_dir
+    out = tmp_path / "eval.json"
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(d), "--task", "ppl", "--length", "96", "--n", "1",
+                                 "--methods", "full,sekv", "--budget", "0.5", "--save", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = {x["method"]: x for x in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and x["tokens"] > 10 for x in rows.values())
+    assert 1 < rows["full"]["ppl"] == rows["full"]["score"] and rows["sekv"]["fast_bytes"] < rows["full"]["fast_bytes"]

@@ -1,0 +1,63 @@
+"""The transfer report section reads a committed bench JSON and judges each target from its numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvstate.lab.transfer.section import CODEC, build
+
+
+def _row(method: str, score: float, bpt: float, ms: float) -> dict:
+    return {"method": method, "score": score, "f1": score, "ppl": 3.0, "payload_bytes_per_token": bpt,
+            "consumer_ms": ms, "ttft_ms": {b: bpt * 1000 * 8 / (float(b) * 1e9) * 1e3 + ms for b in ("1", "10", "100")},
+            "loopback_ms": 1.0, "per_task": {"niah_single@1024": score}, "weak_tasks": {"qa@1024": 0.1}}
+
+
+def _bench(scd_score: float, scd_bytes: float, scd_ms: float) -> dict:
+    rows = [_row("oracle", 0.8, 0, 100.0), _row("raw", 0.5, 2048, 5.0), _row("kv4bit", 0.4, 520, 6.0),
+            _row("droidspeak", 0.7, 1800, 40.0), _row("reuse", 0.6, scd_bytes, scd_ms), _row("scd", scd_score, scd_bytes, scd_ms)]
+    return {"results": rows, "mean_prompt_tokens": 1000.0, "fp16_raw_kv_bytes_per_token": 2048, "patch_layers": [0],
+            "droidspeak_block": [0, 1], "ranks": {"k": 8, "v": 24, "h": 64}, "bits": 8,
+            "config": {"n": 2, "seed": 0, "lengths": [1024], "ppl_n": 1, "ppl_length": 1024},
+            "ablation_patch": [{"k": 0, "layers": [], "score": 0.6, "ppl": 3.1, "payload_bytes_per_token": 200}]}
+
+
+def _write(models: Path, bench: dict) -> None:
+    (models / CODEC).mkdir(parents=True, exist_ok=True)
+    (models / CODEC / "bench.json").write_text(json.dumps(bench))
+
+
+def test_targets_met_and_missed_follow_the_numbers(tmp_path: Path) -> None:
+    _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0))
+    sec = build(tmp_path / "out", tmp_path / "m")
+    assert [h.met for h in sec.headline] == [True, True, True, True]
+    assert "5.00x" in sec.headline[1].measured and "10.24x" in sec.headline[2].measured
+    assert (tmp_path / "out" / "transfer_pareto.png").stat().st_size > 0
+    _write(tmp_path / "m", _bench(scd_score=0.70, scd_bytes=300.0, scd_ms=30.0))
+    sec = build(tmp_path / "out", tmp_path / "m")
+    assert [h.met for h in sec.headline] == [False, False, False, True]
+
+
+def test_missing_bench_names_the_command(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    sec = build(tmp_path / "out", tmp_path)
+    assert "kvstate transfer bench" in sec.intro and sec.headline[0].met is None
+
+
+def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
+    from kvstate.lab.transfer.card import consumer_card
+    from kvstate.models.tiny import tiny_model
+
+    cfg = {"max_length": 1024, "lr": 0.002, "warmup_steps": 30, "decay_fraction": 0.15, "answer_share": 0.6,
+           "task_mix": {"niah_multivalue": 3, "qa": 2}}
+    point = {"step": 12, "minutes": 1.5, "loss": 1.25, "exact": {"niah_single": 1.0}, "first_token": {"niah_multivalue": 0.5}}
+    for name, seed, state in (("base", 0, {"step": 10, "tokens": 100, "seconds": 60.0, "curve": [], "config": cfg}),
+                              ("ft", 1, {"step": 14, "tokens": 1_000_100, "seconds": 180.0, "curve": [point], "config": cfg})):
+        tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
+        (tmp_path / name / "training_state.json").write_text(json.dumps(state))
+    _write(tmp_path / "m", _bench(0.78, 200.0, 10.0))
+    card = consumer_card(tmp_path / "ft", tmp_path / "base", tmp_path / "m" / CODEC / "bench.json", "kvstate train ...")
+    assert "4 steps, 1.00 M tokens, 2.0 min" in card and "| 12 | 1.5 | 1.250 | 1.00 |" in card
+    assert "| **mean score** | **0.800** | **0.500** |" in card and "kvstate train ..." in card
+    assert "| attention q/k/v/o |" in card

@@ -1,0 +1,114 @@
+"""``kvstate transfer calibrate / bench / serve / generate`` end to end on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvstate.cli import app
+from kvstate.errors import KVStateError
+from kvstate.lab.workloads.tokenizer import build_tokenizer
+from kvstate.models.tiny import tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pair")
+    tok = build_tokenizer()
+    dirs = []
+    for name, seed in (("producer", 0), ("consumer", 1)):
+        m = tiny_model("qwen3", seed=seed, vocab_size=len(tok), max_position_embeddings=4096)
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs.append(root / name)
+    return dirs[0], dirs[1]
+
+
+@pytest.fixture(scope="module")
+def codec_dir(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("codec") / "c"
+    p, c = pair_dirs
+    res = CliRunner().invoke(app, ["transfer", "calibrate", "--producer", str(p), "--consumer", str(c), "--out", str(out),
+                                   "--prefixes", "4", "--length", "96", "--rank-k", "4", "--rank-v", "8",
+                                   "--rank-h", "16", "--patch", "1"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_calibrate_writes_a_codec_with_its_manifest(codec_dir: Path) -> None:
+    m = json.loads((codec_dir / "manifest.json").read_text())
+    assert (m["rank_k"], m["rank_v"], m["rank_h"], len(m["patch_layers"]), m["format_version"]) == (4, 8, 16, 1, 1)
+    assert len(m["producer_fingerprint"]) == 64 and m["producer_fingerprint"] != m["consumer_fingerprint"]
+    assert len(m["calibration"]["raw_drift_k"]) == 2
+
+
+def test_bench_prints_the_json_shape(pair_dirs: tuple[Path, Path], codec_dir: Path, tmp_path: Path) -> None:
+    p, c = pair_dirs
+    res = CliRunner().invoke(app, ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec",
+                                   str(codec_dir), "--n", "1", "--length", "256", "--ppl-n", "1", "--weak-n", "0",
+                                   "--ablation-n", "1", "--json", "--out", str(tmp_path / "b.json")])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert [r["method"] for r in out["results"]] == ["oracle", "raw", "kv4bit", "droidspeak", "reuse", "scd"]
+    for r in out["results"]:
+        assert set(r) >= {"method", "score", "f1", "ppl", "payload_bytes_per_token", "consumer_ms", "ttft_ms"}
+        assert set(r["ttft_ms"]) == {"1", "10", "100"} and r["ppl"] > 1
+    by = {r["method"]: r for r in out["results"]}
+    assert by["raw"]["payload_bytes_per_token"] > 4 * by["kv4bit"]["payload_bytes_per_token"] / 1.2  # fp16 vs 4-bit
+    assert by["scd"]["payload_bytes_per_token"] < by["raw"]["payload_bytes_per_token"]
+    assert [a["k"] for a in out["ablation_patch"]] == [0, 1, 2]
+    assert [(a["rank_k"], a["rank_v"]) for a in out["ablation_rank"]] == [(4, 8), (2, 8), (4, 4), (2, 4)]
+    assert json.loads((tmp_path / "b.json").read_text())["results"] == out["results"]
+
+
+def test_bad_codec_ranks_and_patch_raise_one_clear_error(pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    from kvstate.errors import KVStateError
+
+    p, c = pair_dirs
+    for args, msg in ((["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec", str(tmp_path)],
+                       "not a codec directory"),
+                      (["transfer", "calibrate", "--producer", str(p), "--consumer", str(c), "--out", str(tmp_path / "x"),
+                        "--prefixes", "4", "--length", "96", "--rank-k", "99"], "head dimension"),
+                      (["transfer", "calibrate", "--producer", str(p), "--consumer", str(c), "--out", str(tmp_path / "x"),
+                        "--patch", "some"], "--patch"),
+                      (["transfer", "generate", "--consumer", str(c), "--server", "localhost", "--prompt", "a b"],
+                       "not a codec directory")):
+        res = CliRunner().invoke(app, [*args, *(["--codec", str(tmp_path)] if args[1] == "generate" else [])])
+        assert isinstance(res.exception, KVStateError) and msg in str(res.exception), res.output
+    assert not (tmp_path / "x").exists()  # nothing half-written
+
+
+def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_dir: Path) -> None:
+    import socket
+
+    p, c = pair_dirs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = subprocess.Popen([sys.executable, "-m", "kvstate.cli", "transfer", "serve", "--producer", str(p), "--codec",
+                            str(codec_dir), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec_dir), "--server", f"127.0.0.1:{port}",
+                "--prompt", "the cat sat on the mat . answer :", "--max-new-tokens", "4", "--json"]
+        deadline = time.time() + 90
+        while True:
+            res = CliRunner().invoke(app, args)
+            if res.exit_code == 0 or time.time() > deadline or srv.poll() is not None:
+                break
+            time.sleep(1)  # the server is still loading
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.output[res.output.rindex('{"text"'):])  # after transformers' loading bar
+        assert out["new_tokens"] >= 1 and out["payload_bytes"] > 0 and out["prompt_tokens"] >= 2
+        # a consumer whose codec is for another pair is refused by fingerprint
+        bad = CliRunner().invoke(app, [*args[:2], "--consumer", str(p), *args[4:]])
+        assert bad.exit_code != 0 and isinstance(bad.exception, KVStateError)
+        assert "calibrated for another consumer (fingerprint" in str(bad.exception), bad.output
+    finally:
+        srv.terminate()
+        srv.wait(10)

@@ -1,0 +1,203 @@
+"""SCD codec against oracles: full-rank REUSE reproduces the producer's K/V, PATCH everywhere equals the
+consumer's own prefill, mismatched pairs fail loudly, and the baselines decode to the right caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
+from kvstate.models.tiny import tiny_model
+from kvstate.transfer import PayloadError
+from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
+from kvstate.transfer.codec import Codec, CodecConfig, CodecError
+from kvstate.transfer.states import build_cache, continue_logits, prefill_states
+
+HIDDEN, HEAD_DIM, LAYERS = 64, 16, 2  # the tiny qwen3 of kvstate.models.tiny
+
+
+def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
+
+
+def _perturbed(scale: float) -> torch.nn.Module:
+    """A 'fine-tuned' consumer: the producer's weights plus relative noise."""
+    m = tiny_model("qwen3", seed=0)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return m
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():  # type: ignore[no-untyped-def]
+    """Calibration is many small ops: on a busy 2-core machine two threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def producer() -> torch.nn.Module:
+    return tiny_model("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def self_codec(producer: torch.nn.Module) -> Codec:
+    """Producer == consumer, every rank full, fp32 codes: decoding must be exact."""
+    cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=HIDDEN, bits=32, prefixes=8, length=48,
+                            suffix=8, aligner_steps=20, aligner_hidden=32)
+    return calibrate_on(producer, producer, _prompts(), cfg)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.nn.Module, torch.nn.Module, Codec]:
+    p, c = tiny_model("qwen3", seed=0), _perturbed(0.3)
+    cfg = CalibrationConfig(rank_k=8, rank_v=8, rank_h=HIDDEN, bits=8, prefixes=16, length=48, suffix=8,
+                            aligner_steps=150, aligner_hidden=64)
+    return p, c, calibrate_on(p, c, _prompts(16), cfg)
+
+
+def test_full_rank_reuse_reproduces_producer_kv(producer: torch.nn.Module, self_codec: Codec) -> None:
+    ids = _prompts(1, 40, seed=9)[0]
+    ref = prefill_states(producer, ids)
+    keys, values = self_codec.decode_layers(producer, self_codec.encode(producer, ids, patch=()))
+    for i in range(LAYERS):
+        assert torch.allclose(keys[i], ref.k[i], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(values[i], ref.v[i], atol=1e-4, rtol=1e-4)
+
+
+def test_full_rank_pca_reuse_ships_the_producer_kv_to_another_consumer(pair: tuple) -> None:
+    p, c, _ = pair
+    cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=8, bits=32, prefixes=4, length=48, suffix=8,
+                            aligner_steps=0, reuse_map="pca")
+    codec = calibrate_on(p, c, _prompts(4), cfg)
+    ids = _prompts(1, 24, seed=18)[0]
+    ref = prefill_states(p, ids)
+    keys, values = codec.decode_layers(c, codec.encode(p, ids, patch=()))
+    assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(keys + values, ref.k + ref.v, strict=True))
+    with pytest.raises(CodecError, match="reuse_map"):
+        CalibrationConfig(reuse_map="other")
+
+
+def test_patch_at_every_layer_equals_the_consumer_oracle(producer: torch.nn.Module, self_codec: Codec) -> None:
+    ids = _prompts(1, 40, seed=10)[0]
+    oracle = prefill_states(producer, ids).logits[30:]
+    payload = self_codec.encode(producer, ids[:, :30], patch=range(LAYERS))
+    assert payload.meta["modes"] == "PP" and not any(k.startswith(("k.", "v.")) for k in payload.tensors)
+    got = continue_logits(producer, self_codec.decode(producer, payload, ids[0].tolist()), ids, 30)
+    assert torch.allclose(got, oracle, atol=1e-3, rtol=1e-3)
+
+
+def test_patch_moves_a_drifted_consumer_towards_its_oracle(pair: tuple) -> None:
+    p, c, codec = pair
+    ids = _prompts(1, 48, seed=11)[0]
+    cs = prefill_states(c, ids)
+    oracle = cs.logits[40:]
+
+    def dist(cache: DynamicCache) -> float:
+        return float((continue_logits(c, cache, ids, 40) - oracle).abs().mean())
+
+    ps = prefill_states(p, ids[:, :40])
+    raw = dist(build_cache(c, ps.k, ps.v))
+    patched = dist(codec.decode(c, codec.encode(p, ids[:, :40], patch=range(LAYERS))))
+    assert patched < 0.85 * raw
+    info = codec.info
+    assert len(info["raw_drift_k"]) == LAYERS and all(x > 0 for x in info["raw_drift_k"])
+    assert info["kl_all_layers"]["patch_all"] < info["kl_all_layers"]["raw"]
+
+
+def test_int4_codes_shrink_the_payload_and_still_decode(pair: tuple) -> None:
+    p, c, codec = pair
+    ids = _prompts(1, 32, seed=12)[0]
+    b8, b4 = codec.encode(p, ids, bits=8), codec.encode(p, ids, bits=4)
+    assert len(b4.to_bytes()) < 0.75 * len(b8.to_bytes())
+    k8, _ = codec.decode_layers(c, b8)
+    k4, _ = codec.decode_layers(c, b4)
+    assert all(float((a - b).abs().max()) < 0.5 * float(a.abs().max()) for a, b in zip(k8, k4, strict=True))
+
+
+def test_mismatched_pair_and_bad_config_raise(producer: torch.nn.Module, self_codec: Codec, pair: tuple) -> None:
+    p, c, codec = pair
+    ids = _prompts(1, 20, seed=13)[0]
+    with pytest.raises(CodecError, match="another consumer"):
+        self_codec.decode(c, self_codec.encode(producer, ids))
+    with pytest.raises(CodecError, match="another producer"):
+        codec.encode(c, ids)
+    with pytest.raises(PayloadError, match="model pair"):
+        codec.decode(c, self_codec.encode(producer, ids), check=False)
+    with pytest.raises(PayloadError, match="other tokens"):
+        codec.decode(c, codec.encode(p, ids), token_ids=[1] * 20)
+    with pytest.raises(CodecError, match="head dimension"):
+        CalibrationConfig(rank_k=HEAD_DIM + 1, prefixes=4, length=48, suffix=8) and calibrate_on(
+            p, c, _prompts(4), CalibrationConfig(rank_k=HEAD_DIM + 1, prefixes=4, length=48, suffix=8))
+    with pytest.raises(CodecError, match="out of range"):
+        codec.encode(p, ids, patch=[LAYERS])
+    with pytest.raises(CodecError, match="out of range"):
+        CodecConfig(4, 4, 4, (7,)).check(codec.geometry)
+
+
+def test_truncated_codec_is_the_lower_rank_fit(pair: tuple) -> None:
+    p, c, _ = pair
+    kw = {"rank_h": 8, "bits": 32, "prefixes": 4, "length": 48, "suffix": 8, "aligner_steps": 0, "patch": 0}
+    big = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=8, rank_v=12, **kw))
+    small = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=3, rank_v=5, **kw))
+    cut = big.truncated(3, 5)
+    for name in ("k.1.enc", "k.1.dec", "v.0.enc", "v.0.dec"):
+        assert torch.allclose(cut.tensors[name], small.tensors[name], atol=1e-4)
+    with pytest.raises(CodecError, match="ranks"):
+        big.truncated(9, 1)
+
+
+def test_save_load_round_trip(tmp_path, pair: tuple) -> None:  # type: ignore[no-untyped-def]
+    p, c, codec = pair
+    codec.save(tmp_path / "codec")
+    back = Codec.load(tmp_path / "codec")
+    assert back.pair == codec.pair and back.config == codec.config
+    ids = _prompts(1, 24, seed=14)[0]
+    k1, _ = codec.decode_layers(c, codec.encode(p, ids))
+    k2, _ = back.decode_layers(c, back.encode(p, ids))
+    assert all(torch.equal(a, b) for a, b in zip(k1, k2, strict=True))
+    assert sorted(x.name for x in (tmp_path / "codec").iterdir()) == ["codec.safetensors", "manifest.json"]
+    with pytest.raises(CodecError, match="not a codec directory"):
+        Codec.load(tmp_path)
+
+
+def test_generate_continues_a_decoded_cache(producer: torch.nn.Module, self_codec: Codec) -> None:
+    ids = _prompts(1, 30, seed=15)[0]
+    cache = self_codec.decode(producer, self_codec.encode(producer, ids[:, :-1]))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True,
+              attention_mask=torch.ones_like(ids))  # ids may hold a pad id: never masked
+    got = producer.generate(ids, cache=cache, **kw)
+    ref = producer.generate(ids, **kw)
+    a, b = torch.stack(got.scores, 1), torch.stack(ref.scores, 1)  # (1, 6, V); -inf where EOS is banned
+    finite = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), finite) and float((a[finite] - b[finite]).abs().max()) < 1e-4
+    assert torch.equal(got.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("method", ["raw", "droidspeak"])
+def test_lossless_baselines_equal_the_oracle_for_one_model(producer: torch.nn.Module, method: str) -> None:
+    ids = _prompts(1, 40, seed=16)[0]
+    oracle = prefill_states(producer, ids).logits[32:]
+    pl = encode_baseline(method, producer, ids[:, :32], raw_pair("a", "b"), block=(0, 1))
+    got = continue_logits(producer, decode_baseline(producer, pl, raw_pair("a", "b")), ids, 32)
+    assert torch.allclose(got, oracle, atol=2e-2)  # fp16 on the wire
+    if method == "droidspeak":
+        assert "resid" in pl.tensors and "k.0" not in pl.tensors and "k.1" in pl.tensors
+
+
+def test_kv4bit_is_lossy_but_close(producer: torch.nn.Module) -> None:
+    ids = _prompts(1, 40, seed=17)[0]
+    ps = prefill_states(producer, ids[:, :32])
+    pl = encode_baseline("kv4bit", producer, ids[:, :32], raw_pair("a", "b"))
+    cache = decode_baseline(producer, pl, raw_pair("a", "b"))
+    raw = build_cache(producer, ps.k, ps.v)
+    k4, kr = cache.layers[1].keys, raw.layers[1].keys
+    assert 0 < float((k4 - kr).abs().max()) < 0.25 * float(kr.abs().max())
+    with pytest.raises(PayloadError, match="model pair"):
+        decode_baseline(producer, pl, raw_pair("a", "c"))
