@@ -108,10 +108,10 @@ def eval_command(
 
     from kvstate.lab.harness import load_reference
     from kvstate.lab.report.html import atomic_write_text
+    from kvstate.lab.semantic import baselines_kvpress as kp
     from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, summarise
     from kvstate.lab.semantic.protocol import MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
-    from kvstate.lab.semantic import baselines_kvpress as kp
     from kvstate.semantic.router import RouterConfig, SemanticRouter
     from kvstate.semantic.segment import SegmentConfig
 
