@@ -6,27 +6,28 @@ distinct tokens in the tree, and R² of per-request wall-clock saved against tok
 12-request example: three 1,024-token documents, four questions each, shuffled — where every
 document's third question resumes.
 
-Writes ``models/ref-hybrid/prefix_replay.json`` (read by the report's replay section) unless
-``--no-write``; prints a table, then one JSON line. Usage:
-``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--no-write]``.
+With ``--out FILE`` (the report reads ``models/ref-hybrid/prefix_replay.json``) the run is appended to FILE
+with its provenance (:mod:`kvstate.lab.provenance`); prints a table on stderr, then one JSON line on stdout.
+Usage: ``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--out FILE]``.
 
-``--placement path tree [--workloads quality system_prompts] [--budget B] [--no-baseline]`` compares
+``--placement path tree [--workloads quality system_prompts] [--grid B:M,...] [--no-baseline]`` compares
 tree placement (exact DP over the radix tree) with per-path placement at the same byte budget instead
-(planner ``optimal``; nothing written; the JSON line lists one row per workload and placement).
+(planner ``optimal``; one run per budget B and slot count M of the grid; the JSON line lists one row per
+workload and placement; ``--out models/ref-hybrid/prefix_tree_replay.json`` appends it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
 
 from kvstate.lab.prefix.replay import replay
+from kvstate.lab.provenance import Recorder, append_run
 from kvstate.lab.workloads.traces import generate
 from kvstate.models import load_model
 from kvstate.prefix.config import PrefixCacheConfig
@@ -71,57 +72,65 @@ def run_twelve(model, vocab: int) -> dict[str, object]:  # type: ignore[no-untyp
 
 def compare_placement(model, vocab: int, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
     """Tokens reused by tree vs per-path placement at the same byte budget, same trace, planner optimal."""
-    rows = []
     print(
-        f"{'workload':>15} {'placement':>9} {'reqs':>5} {'total':>8} {'reused':>8} {'lost':>7} {'peak MB':>8} "
-        f"{'ev.nodes':>8} {'ev.states':>9} {'wall s':>7}"
+        f"{'workload':>15} {'placement':>9} {'budget':>12} {'M':>3} {'reqs':>5} {'total':>8} {'reused':>8} "
+        f"{'lost':>7} {'peak MB':>8} {'ev.nodes':>8} {'ev.states':>9} {'wall s':>7}",
+        file=sys.stderr,
     )
-    for name in args.workloads:
-        n = max(20, args.requests // 4) if name == "narrativeqa" else args.requests
-        scale = args.scale / 2 if name == "narrativeqa" else args.scale
-        reqs = generate(name, n, seed=0, vocab=vocab, scale=scale)
-        for placement in args.placement:
-            cfg = PrefixCacheConfig(args.budget, args.slots, "optimal", placement=placement)
-            r = replay(model, reqs, cfg, no_cache_baseline=not args.no_baseline)
-            rows.append({"workload": name, **r.as_json()})
-            print(
-                f"{name:>15} {placement:>9} {r.requests:>5} {r.tokens_total:>8} {r.tokens_reused:>8} "
-                f"{r.tokens_lost:>7} {r.peak_bytes / 2**20:>8.1f} {r.evicted_nodes:>8} {r.evicted_states:>9} "
-                f"{r.wall_s:>7.1f}",
-                flush=True,
-            )
-    cmd = "python benchmarks/prefix_replay.py --placement " + " ".join(args.placement)
-    print(
-        json.dumps(
-            {
-                "benchmark": "prefix_replay_placement",
-                "model": str(MODEL),
-                "budget_bytes": args.budget,
-                "slots": args.slots,
-                "scale": args.scale,
-                "command": cmd,
-                "results": rows,
-            }
-        )
-    )
+    runs = []
+    for budget, slots in args.grid:
+        rows = []
+        for name in args.workloads:
+            n = max(20, args.requests // 4) if name == "narrativeqa" else args.requests
+            scale = args.scale / 2 if name == "narrativeqa" else args.scale
+            reqs = generate(name, n, seed=0, vocab=vocab, scale=scale)
+            for placement in args.placement:
+                cfg = PrefixCacheConfig(budget, slots, "optimal", placement=placement)
+                r = replay(model, reqs, cfg, no_cache_baseline=not args.no_baseline)
+                rows.append({"workload": name, **r.as_json()})
+                print(
+                    f"{name:>15} {placement:>9} {budget:>12} {slots:>3} {r.requests:>5} {r.tokens_total:>8} "
+                    f"{r.tokens_reused:>8} {r.tokens_lost:>7} {r.peak_bytes / 2**20:>8.1f} {r.evicted_nodes:>8} "
+                    f"{r.evicted_states:>9} {r.wall_s:>7.1f}",
+                    flush=True,
+                    file=sys.stderr,
+                )
+        runs.append({"budget_bytes": budget, "slots": slots, "results": rows})
+    return runs
+
+
+def _grid(value: str) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in value.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--grid {value!r}: pass budget:slots pairs, e.g. 1073741824:8") from None
+    if not pairs or any(len(p) != 2 or p[0] < 1 or p[1] < 1 for p in pairs):
+        raise argparse.ArgumentTypeError(f"--grid {value!r}: pass budget:slots pairs, e.g. 1073741824:8")
+    return [(p[0], p[1]) for p in pairs]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--scale", type=float, default=0.125)
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="append this run, with provenance, to a result file")
     ap.add_argument("--placement", nargs="+", choices=["path", "tree"], default=None)
     ap.add_argument("--workloads", nargs="+", default=["quality", "narrativeqa", "system_prompts", "chat"])
-    ap.add_argument("--budget", type=int, default=BUDGET)
-    ap.add_argument("--slots", type=int, default=8)
+    ap.add_argument("--grid", type=_grid, default=[(BUDGET, 8)], help="budget:slots pairs, comma-separated")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache prefills (faster)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    rec = Recorder(code=("prefix", "models", "lab/prefix/replay.py", "lab/workloads/traces.py"), models=[MODEL],
+                   n=args.requests, seeds=[0], tasks=args.workloads,
+                   settings={"scale": args.scale, "placement": args.placement, "grid": args.grid})
     model = load_model(MODEL)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if args.placement:
-        compare_placement(model, vocab, args)
+        out = {"benchmark": "prefix_replay_placement", "model": str(MODEL), "scale": args.scale,
+               "runs": compare_placement(model, vocab, args)}
+        if args.out is not None:
+            append_run(args.out, out, rec.finish())
+        print(json.dumps(out))
         return
     workloads = {
         "quality": generate("quality", args.requests, seed=0, vocab=vocab, scale=args.scale),
@@ -135,6 +144,7 @@ def main() -> None:
     print(
         f"{'workload':>15} {'planner':>9} {'reqs':>5} {'reused':>8} {'predicted':>9} {'ratio':>6} "
         f"{'KV held/distinct':>16} {'wall s':>7} {'no-cache s':>10} {'R2':>6}"
+   , file=sys.stderr
     )
     for name, reqs in workloads.items():
         base: list[float] | None = None
@@ -149,26 +159,23 @@ def main() -> None:
                 f"{name:>15} {planner:>9} {r.requests:>5} {r.tokens_reused:>8} {r.predicted_reused:>9} "
                 f"{ratio:>6.3f} {kv_ratio:>16.3f} {r.wall_s:>7.1f} {r.wall_s_no_cache:>10.1f} {r.saved_r2:>6.3f}",
                 flush=True,
+                file=sys.stderr,
             )
     twelve = run_twelve(model, vocab)
     print(
-        f"12-request example: third question of each document reused {twelve['third_question_reused']} tokens"
+        f"12-request example: third question of each document reused {twelve['third_question_reused']} tokens",
+        file=sys.stderr,
     )
     out = {
         "benchmark": "prefix_replay",
         "model": str(MODEL),
         "budget_bytes": BUDGET,
         "scale": args.scale,
-        "command": "python benchmarks/prefix_replay.py",
         "results": rows,
         "twelve": twelve,
     }
-    if not args.no_write:
-        path = MODEL / "prefix_replay.json"
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(out, f, indent=1)
-        os.replace(tmp, path)
+    if args.out is not None:
+        append_run(args.out, out, rec.finish())
     print(json.dumps(out))
 
 

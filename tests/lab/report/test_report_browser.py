@@ -20,7 +20,7 @@ from kvstate.lab.prefix import section as prefix_section
 from kvstate.lab.report import build as build_mod
 from kvstate.lab.report import plots
 from kvstate.lab.report.browser import INSTALL_HINT, check_page, find_chromium
-from kvstate.lab.report.html import COLLAPSE_ROWS, Figure, HeadlineRow, Section, Table
+from kvstate.lab.report.html import COLLAPSE_ROWS, Figure, Section, Table, headline_lede, run_row
 
 NUMBER = re.compile(r"(?<![\w.])([-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?)(?![\w])(%?)")
 
@@ -33,7 +33,8 @@ def _synthetic(out_dir: Path, models_dir: Path) -> Section:
     return Section("synthetic", "Synthetic: a section written against the interface", paper="No Paper",
                    conclusion="Half of the cells scored 0.75 or more.", figures=[Figure("Heatmap", name)],
                    tables=[Table("long", ["i"], [[i] for i in range(COLLAPSE_ROWS + 2)])],
-                   headline=[HeadlineRow("synthetic", "mean score >= 0.70", "0.75 (n = 3)", True)],
+                   headline=[run_row("synthetic", "mean score >= 0.70", "0.75 (n = 3)", status="undecided",
+                                     ci=(0.30, 0.95), rate=True)],
                    summary={"mean": 0.75, "n": 3, "cells": values})
 
 
@@ -113,11 +114,37 @@ def test_every_headline_number_is_in_summary_json(report):
     parser.feed((report / "index.html").read_text())
     assert len(parser.rows) == len(summary["headline"]) >= 8
     for cells, row in zip(parser.rows, summary["headline"], strict=True):
-        technique, target, measured, status = (c.strip() for c in cells)
+        technique, target, measured, ci, status, source = (c.strip() for c in cells)
         assert (technique, target, measured) == (row["technique"], row["target"], row["measured"])
-        assert status == {True: "met", False: "missed", None: "undecided"}[row["met"]]
         assert NUMBER.search(measured)
         assert untraced_numbers(measured, summary["sections"][row["section"]]) == [], (measured, row["section"])
+
+
+def test_every_headline_row_has_source_ci_and_status(report):
+    """source says live or recorded; a rate shows its interval; status is met / missed / undecided / stale / missing."""
+    summary = json.loads((report / "summary.json").read_text())
+    parser = _Headline()
+    page = (report / "index.html").read_text()
+    parser.feed(page)
+    assert len(parser.rows) == len(summary["headline"])
+    for cells, row in zip(parser.rows, summary["headline"], strict=True):
+        _, _, _, ci, status, source = (c.strip() for c in cells)
+        assert status == row["status"] and status in ("met", "missed", "undecided", "stale", "missing")
+        assert row["source"] in ("run", "artifact")
+        if row["source"] == "run":
+            assert source == "this run"
+        else:
+            assert source.startswith(row["artifact"]) and row["command"]
+        if row["rate"] and status not in ("stale", "missing"):
+            lo, hi = row["ci"]
+            assert lo <= hi and ci == f"[{lo:.3g}, {hi:.3g}]"
+        if row["status"] in ("met", "missed") and row["ci"] is not None:  # a decided rate: its interval is on one side
+            assert row["met"] is (row["status"] == "met")
+    assert any(r["rate"] for r in summary["headline"])  # the synthetic rate row
+    counts = summary["headline_counts"]
+    assert counts["live"] == sum(r["source"] == "run" for r in summary["headline"])
+    assert headline_lede([run_row("x", "t", "1", True)]) == "1 met, 0 missed, 0 undecided; 1 measured in this run"
+    assert f"{counts['met']} met, {counts['missed']} missed, {counts['undecided']} undecided; {counts['live']} measured in this run" in page
 
 
 def test_the_number_check_catches_a_number_not_in_the_data():
@@ -140,7 +167,8 @@ def test_report_renders_in_chromium(report, tmp_path):
     assert {i["src"] for i in page.images} == {p.name for p in report.glob("*.png")}
     assert page.missing_anchors == []
     assert len(page.headline) == len(summary["headline"])
-    assert all(len(row) == 4 and row[2] and row[3] in ("met", "missed", "undecided") for row in page.headline)
+    assert all(len(row) == 6 and row[2] and row[4] in ("met", "missed", "undecided", "stale", "missing")
+               and row[5] for row in page.headline)
     assert (tmp_path / "first_screen.png").stat().st_size > 10_000
 
 

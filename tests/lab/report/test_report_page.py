@@ -35,11 +35,11 @@ def _png(out_dir, name="f.png"):
 def test_old_style_section_still_renders_figures_before_tables():
     # the fields sections used before conclusion / details / paper existed, positionally
     old = Section("k", "Technique: thing", "how it was measured", [Table("t", ["a"], [[1]])],
-                  [Figure("fig", "f.png")], {"x": 1}, [HeadlineRow("thing", "x >= 1", "1", True)])
+                  [Figure("fig", "f.png")], {"x": 1}, [HeadlineRow("thing", "x >= 1", "1", True, source="run")])
     page = render([old])
     assert page.index("<img src='f.png'") < page.index("<caption>t</caption>")
     assert page.index("id='headline-table'") < page.index("<section id='k'>")
-    assert "<details>" not in page and "1 of 1 targets met" in page
+    assert "<details>" not in page and "1 met, 0 missed, 0 undecided; 1 measured in this run" in page
 
 
 def test_long_tables_and_details_are_collapsed_and_conclusion_comes_first():
@@ -54,13 +54,34 @@ def test_long_tables_and_details_are_collapsed_and_conclusion_comes_first():
 
 
 def test_headline_counts_met_missed_undecided():
-    rows = [HeadlineRow("a", "t", "1", True), HeadlineRow("a", "t", "2", False), HeadlineRow("a", "t", "?", None)]
+    rows = [HeadlineRow("a", "t", "1", True, source="run"), HeadlineRow("a", "t", "2", False, source="run"), HeadlineRow("a", "t", "?", None, source="run")]
     page = render([Section("k", "T", headline=rows)])
-    assert "1 of 3 targets met</strong>, 1 missed, 1 undecided" in page
+    assert "1 met, 1 missed, 1 undecided; 3 measured in this run" in page
     assert page.count("class='missed'") == 1 and page.count("class='open'") == 1
     import numpy as np
 
-    assert HeadlineRow("a", "t", "1", np.float64(1.0) <= 2).met is True  # numpy.bool_ is coerced
+    assert HeadlineRow("a", "t", "1", np.float64(1.0) <= 2, source="run").met is True  # numpy.bool_ is coerced
+
+
+def test_headline_rows_say_where_they_came_from_and_rates_carry_intervals():
+    from kvstate.lab.provenance import Artifact
+    from kvstate.lab.report.html import artifact_row, run_row
+
+    with pytest.raises(KVStateError, match="source"):
+        HeadlineRow("a", "t", "1", True)  # neither run nor artifact
+    with pytest.raises(KVStateError, match="interval"):
+        run_row("a", "t", "0.9", True, rate=True)  # a rate without its interval
+    with pytest.raises(KVStateError, match="artifact row"):
+        HeadlineRow("a", "t", "1", True, source="artifact")
+    assert run_row("a", "t", "0.95", status="met", ci=(0.91, 0.98), rate=True).met is True
+    stale = Artifact("models/x/r.json", "kvstate x --out models/x/r.json", "stale", "no provenance recorded",
+                     {"v": 1}, 1)
+    row = artifact_row(stale, "a", "v >= 1", "1", True)
+    assert row.status == "stale" and row.met is None and "regenerate with `kvstate x" in row.measured
+    page = render([Section("k", "T", headline=[row])])
+    assert "0 met, 0 missed, 0 undecided; 0 measured in this run (1 stale" in page
+    missing = Artifact("models/x/r.json", "kvstate x", "missing", "file not found", None, 0)
+    assert artifact_row(missing, "a", "t", "").status == "missing"
 
 
 def test_duplicate_keys_and_bad_figure_names_are_refused(tmp_path):
@@ -76,13 +97,16 @@ def test_summary_json_has_schema_headline_and_strict_numbers(tmp_path):
     import numpy as np
 
     s = Section("k", "T", summary={"nan": math.nan, "np": np.float64(0.25), "arr": np.arange(3)},
-                headline=[HeadlineRow("t", "x", "0.25", True)])
+                headline=[HeadlineRow("t", "x", "0.25", True, source="run")])
     s.seconds = 1.5
     write_report(tmp_path, [s], {"torch_threads": 1})
     data = json.loads((tmp_path / "summary.json").read_text())  # strict JSON: NaN became null
     assert data["schema_version"] == SCHEMA_VERSION and data["generator"] == "kvstate report"
     assert data["sections"]["k"] == {"nan": None, "np": 0.25, "arr": [0, 1, 2]}
-    assert data["headline"] == [{"section": "k", "technique": "t", "target": "x", "measured": "0.25", "met": True}]
+    assert data["headline"] == [{"section": "k", "technique": "t", "target": "x", "measured": "0.25", "met": True,
+                                 "source": "run", "status": "met", "ci": None, "rate": False, "artifact": None,
+                                 "commit": None, "command": None}]
+    assert data["headline_counts"] == {"met": 1, "missed": 0, "undecided": 0, "stale": 0, "missing": 0, "live": 1}
     assert data["run"]["sections"] == [{"key": "k", "title": "T", "paper": "", "seconds": 1.5}]
     assert oct((tmp_path / "summary.json").stat().st_mode & 0o777) == "0o644"
     assert summary_json([s])["sections"]["k"]["nan"] is s.summary["nan"]  # the section's dict is not modified
@@ -122,7 +146,7 @@ def test_heatmap_annotates_cells_and_declines_a_flat_grid(tmp_path):
 
 def _fast(out_dir, models_dir):
     return Section("fast", "Fast", figures=[Figure("f", _png(out_dir, "fast.png"))], summary={"v": 1},
-                   headline=[HeadlineRow("fast", "v = 1", "1", True)])
+                   headline=[HeadlineRow("fast", "v = 1", "1", True, source="run")])
 
 
 def _other(out_dir, models_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvstate.lab.provenance import Recorder, append_run
 from kvstate.lab.transfer.section import CODEC, build
 
 
@@ -23,26 +24,49 @@ def _bench(scd_score: float, scd_bytes: float, scd_ms: float) -> dict:
             "ablation_patch": [{"k": 0, "layers": [], "score": 0.6, "ppl": 3.1, "payload_bytes_per_token": 200}]}
 
 
-def _write(models: Path, bench: dict) -> None:
+def _write(models: Path, bench: dict, *, provenance: bool = True, model_dirs: tuple[Path, ...] = ()) -> None:
     (models / CODEC).mkdir(parents=True, exist_ok=True)
-    (models / CODEC / "bench.json").write_text(json.dumps(bench))
+    path = models / CODEC / "bench.json"
+    path.unlink(missing_ok=True)
+    if provenance:
+        rec = Recorder(code=("transfer", "lab/transfer"), models=model_dirs, n=2, seeds=[1000])
+        append_run(path, bench, rec.finish())
+    else:  # a file from before provenance was recorded
+        path.write_text(json.dumps(bench))
 
 
 def test_targets_met_and_missed_follow_the_numbers(tmp_path: Path) -> None:
     _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0))
     sec = build(tmp_path / "out", tmp_path / "m")
-    assert [h.met for h in sec.headline] == [True, True, True, True]
+    assert [h.met for h in sec.headline] == [True, True, True]
+    assert all(h.source == "artifact" and h.status == "met" for h in sec.headline)
     assert "5.00x" in sec.headline[1].measured and "10.24x" in sec.headline[2].measured
+    assert "raw reuse 0.500" in sec.notes[0]  # a fact that cannot be missed is a note, not a target
     assert (tmp_path / "out" / "transfer_pareto.png").stat().st_size > 0
     _write(tmp_path / "m", _bench(scd_score=0.70, scd_bytes=300.0, scd_ms=30.0))
     sec = build(tmp_path / "out", tmp_path / "m")
-    assert [h.met for h in sec.headline] == [False, False, False, True]
+    assert [h.met for h in sec.headline] == [False, False, False]
+
+
+def test_a_file_without_provenance_or_with_a_changed_model_is_stale(tmp_path: Path) -> None:
+    _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0), provenance=False)
+    sec = build(tmp_path / "out", tmp_path / "m")
+    assert all(h.status == "stale" and h.met is None and "kvstate transfer bench" in h.measured for h in sec.headline)
+    model = tmp_path / "consumer"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0), model_dirs=(model,))
+    assert {h.status for h in build(tmp_path / "out", tmp_path / "m").headline} == {"met"}
+    (model / "model.safetensors").write_bytes(b"weights v2")  # the consumer was retrained after the bench
+    sec = build(tmp_path / "out", tmp_path / "m")
+    assert {h.status for h in sec.headline} == {"stale"} and "changed since the run" in sec.headline[0].measured
 
 
 def test_missing_bench_names_the_command(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     sec = build(tmp_path / "out", tmp_path)
     assert "kvstate transfer bench" in sec.intro and sec.headline[0].met is None
+    assert sec.headline[0].status == "missing" and "kvstate transfer bench" in sec.headline[0].measured
 
 
 def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError
+from kvstate.lab.provenance import read_runs
 
 EVAL_FILE = "depth_eval.json"
 
@@ -69,7 +70,7 @@ def card_text(model_dir: Path) -> str:
         lines.append("")
     ev = model_dir / EVAL_FILE
     if ev.is_file():
-        data = json.loads(ev.read_text().strip().splitlines()[-1])
+        data = read_runs(ev)[-1]
         lines += ["## Sharing patterns (measured: `kvstate depth eval`)", "",
                   "score = mean exact match over niah_single / multikey / multivalue / multiquery at 1K and 2K; "
                   "ppl on held-out text at 1K; KV bytes per token measured from the cache tensors.", "",

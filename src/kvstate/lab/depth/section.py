@@ -19,7 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table
+from kvstate.lab.provenance import Artifact, load_artifact
+from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row
 
 PAPER = "Stochastic KV routing: Random Cross-Layer Attention (R-CLA) for adaptive depth-wise KV cache sharing"
 
@@ -33,14 +34,31 @@ CLA2 = "0_0_2_2"
 COLORS = dict(zip(LABELS, ("C0", "C1", "C2", "C3", "C4"), strict=True))  # one colour per model in every plot
 
 
+def eval_command(name: str) -> str:
+    """The command that regenerates ``models/<name>/depth_eval.json`` (a run appended to the file)."""
+    return (f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5,0.25 --n 100 --seed 1000 --json "
+            f"--out models/{name}/{EVAL_FILE}")
+
+
+def load_artifacts(models_dir: Path) -> dict[str, Artifact]:
+    """Model name -> its committed ``depth_eval.json`` (the newest run) with its provenance status."""
+    return {name: load_artifact(models_dir / name / EVAL_FILE, eval_command(name))
+            for name in LABELS if (models_dir / name / EVAL_FILE).is_file()}
+
+
 def load_results(models_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Model name -> result rows of its committed ``depth_eval.json`` (last JSON line)."""
-    out = {}
-    for name in LABELS:
-        path = models_dir / name / EVAL_FILE
-        if path.is_file():
-            out[name] = json.loads(path.read_text().strip().splitlines()[-1])["results"]
-    return out
+    """Model name -> result rows of its committed ``depth_eval.json`` (the newest run)."""
+    return {name: a.run["results"] for name, a in load_artifacts(models_dir).items() if a.run is not None}
+
+
+def _worst(arts: list[Artifact]) -> Artifact:
+    """The artifact a row combining several files stands on: a stale or missing one if any."""
+    return next((a for a in arts if a.status != "current"), arts[0])
+
+
+def _ci(row: dict[str, Any] | None, key: str) -> tuple[float, float] | None:
+    ci = (row or {}).get(key)
+    return (float(ci[0]), float(ci[1])) if ci else None
 
 
 def _at(rows: list[dict[str, Any]], *, keep: float | None = None, pattern: str | None = None) -> dict[str, Any] | None:
@@ -50,60 +68,73 @@ def _at(rows: list[dict[str, Any]], *, keep: float | None = None, pattern: str |
     return None
 
 
-def headline(res: dict[str, list[dict[str, Any]]]) -> list[HeadlineRow]:
+def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) -> list[HeadlineRow]:
     rows: list[HeadlineRow] = []
 
-    def add(target: str, measured: str, met: bool | None) -> None:
-        rows.append(HeadlineRow(TECH, target, measured, met))
+    def add(target: str, measured: str, met: bool | None, names: tuple[str, ...] = (),
+            ci: tuple[float, float] | None = None) -> None:
+        used = [arts[n] for n in names if n in arts] or list(arts.values())
+        if used:
+            rows.append(artifact_row(_worst(used), TECH, target, measured, met, ci=ci))
+        else:
+            missing = Artifact(f"models/{names[0] if names else RCLA}/{EVAL_FILE}", eval_command(names[0] if names else RCLA),
+                               "missing", "file not found", None, 0)
+            rows.append(artifact_row(missing, TECH, target, measured))
 
     rc, ctl, spec, base = res.get(RCLA), res.get(CONTROL), res.get(SPECIALIST), res.get(BASE)
     r1, r5 = (_at(rc, keep=1.0), _at(rc, keep=0.5)) if rc else (None, None)
     if r1 and r5:
         dp = r5["ppl"] / r1["ppl"] - 1
         ds = (r1["score"] - r5["score"]) * 100
-        add("R-CLA keep 0.5 within 3% ppl of keep 1.0", f"{dp:+.1%} ({r5['ppl']:.2f} vs {r1['ppl']:.2f})", dp <= 0.03)
+        add("R-CLA keep 0.5 within 3% ppl of keep 1.0", f"{dp:+.1%} ({r5['ppl']:.2f} vs {r1['ppl']:.2f})", dp <= 0.03, (RCLA,))
         add("R-CLA keep 0.5 within 3 points score of keep 1.0",
-            f"{-ds:+.1f} points ({r5['score']:.3f} vs {r1['score']:.3f})", ds <= 3)
+            f"{-ds:+.1f} points ({r5['score']:.3f} vs {r1['score']:.3f})", ds <= 3, (RCLA,))
     else:
-        add("R-CLA keep 0.5 vs keep 1.0 (3% ppl, 3 points)", f"no {RCLA}/{EVAL_FILE}", None)
+        add("R-CLA keep 0.5 vs keep 1.0 (3% ppl, 3 points)", f"no {RCLA}/{EVAL_FILE}", None, (RCLA,))
     c1 = _at(ctl, keep=1.0) if ctl else None
     if r1 and c1:
         d = r1["ppl"] / c1["ppl"] - 1
         add("R-CLA keep 1.0 within 2% ppl of the no-routing control",
-            f"{d:+.1%} ({r1['ppl']:.2f} vs {c1['ppl']:.2f}); score {r1['score']:.3f} vs {c1['score']:.3f}", abs(d) <= 0.02)
+            f"{d:+.1%} ({r1['ppl']:.2f} vs {c1['ppl']:.2f}); score {r1['score']:.3f} vs {c1['score']:.3f}", abs(d) <= 0.02, (RCLA, CONTROL))
     else:
-        add("R-CLA keep 1.0 within 2% of the no-routing control", "missing eval files", None)
+        add("R-CLA keep 1.0 within 2% of the no-routing control", "missing eval files", None, (RCLA, CONTROL))
     b1, b5 = (_at(base, keep=1.0), _at(base, keep=0.5)) if base else (None, None)
     if b1 and b5:
         d = b5["ppl"] / b1["ppl"] - 1
         add("post-hoc sharing of the base model measurably worse at keep <= 0.5",
             f"keep 0.5: ppl {d:+.0%} ({b5['ppl']:.1f} vs {b1['ppl']:.2f}), score {b5['score']:.3f} vs {b1['score']:.3f}",
-            d > 0.03 or b1["score"] - b5["score"] > 0.03)
+            d > 0.03 or b1["score"] - b5["score"] > 0.03, (BASE,))
     else:
-        add("post-hoc sharing of the base model measurably worse at keep <= 0.5", "missing eval file", None)
+        add("post-hoc sharing of the base model measurably worse at keep <= 0.5", "missing eval file", None, (BASE,))
     rs, ss = (_at(rc, pattern=CLA2) if rc else None), (_at(spec, pattern=CLA2) if spec else None)
     if rs and ss:
         d = rs["ppl"] / ss["ppl"] - 1
         add(f"R-CLA within 2% ppl of the CLA2 specialist at {CLA2}", f"{d:+.1%} ({rs['ppl']:.2f} vs {ss['ppl']:.2f})",
-            d <= 0.02)
+            d <= 0.02, (RCLA, SPECIALIST))
         others = [r for r in spec if r["pattern"] != CLA2]
         worst = max(others, key=lambda r: r["ppl"]) if others else None
         if worst:
             d = worst["ppl"] / ss["ppl"] - 1
             add("the CLA2 specialist degrades at patterns it was not trained for",
-                f"worst other pattern {worst['pattern']}: ppl {d:+.0%} ({worst['ppl']:.2f} vs {ss['ppl']:.2f})", d > 0.03)
+                f"worst other pattern {worst['pattern']}: ppl {d:+.0%} ({worst['ppl']:.2f} vs {ss['ppl']:.2f})", d > 0.03,
+                (SPECIALIST,))
     else:
-        add(f"R-CLA within 2% of the CLA2 specialist at {CLA2}", "missing eval files", None)
+        add(f"R-CLA within 2% of the CLA2 specialist at {CLA2}", "missing eval files", None, (RCLA, SPECIALIST))
     exact = [abs(r["kv_bytes_per_token"] - r["keep"] * _at(rows_, keep=1.0)["kv_bytes_per_token"]) < 1e-6
              for rows_ in res.values() if _at(rows_, keep=1.0) for r in rows_]
     if exact:
         add("KV bytes per token exactly proportional to kept layers (measured from cache tensors)",
-            f"{sum(exact)}/{len(exact)} rows exact", all(exact))
-    name = RCLA if RCLA in res else next(iter(res), None)
-    if name is not None:
-        add("decode tokens/s reported per keep", f"{name}: " + ", ".join(
-            f"keep {r['keep']:g}: {r['decode_tok_s']:g}" for r in res[name]) + " (shared 2-core machine: noisy)", True)
+            f"{sum(exact)}/{len(exact)} rows exact", all(exact), tuple(res))
     return rows
+
+
+def notes(res: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Facts that cannot be missed: decode speed per keep (no target; a shared 2-core machine)."""
+    name = RCLA if RCLA in res else next(iter(res), None)
+    if name is None:
+        return []
+    return [f"decode tokens/s of {name} per keep: " + ", ".join(
+        f"keep {r['keep']:g}: {r['decode_tok_s']:g}" for r in res[name]) + " (shared 2-core machine: noisy)"]
 
 
 def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
@@ -160,10 +191,13 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
 
 
 def build(out_dir: Path, models_dir: Path) -> Section:
-    res = load_results(models_dir)
+    arts = load_artifacts(models_dir)
+    res = {name: a.run["results"] for name, a in arts.items() if a.run is not None}
     if not res:
+        missing = Artifact(f"models/{RCLA}/{EVAL_FILE}", eval_command(RCLA), "missing", "file not found", None, 0)
         return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER,
-                       intro=f"No {EVAL_FILE} under {models_dir}/; run kvstate depth eval --out.")
+                       intro=f"No {EVAL_FILE} under {models_dir}/; run kvstate depth eval --out.",
+                       headline=[artifact_row(missing, TECH, "R-CLA targets", "")])
     table = Table("Sharing patterns per model", ["model", "keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"],
                   [[LABELS[n], r["keep"], r["pattern"], r["ppl"], r["score"], r["kv_bytes_per_token"], r["decode_tok_s"]]
                    for n, rows in res.items() for r in rows])
@@ -173,4 +207,6 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "(specialist); no deeper model was trained from scratch. Numbers are read from the committed "
              f"{EVAL_FILE} files (kvstate depth eval --n 10); the learning curves are in the model cards.")
     return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER, intro=intro, tables=[table],
-                   figures=[_figure(res, out_dir), *filter(None, [_curves(models_dir, out_dir)])], summary={"results": res}, headline=headline(res))
+                   figures=[_figure(res, out_dir), *filter(None, [_curves(models_dir, out_dir)])], summary={"results": res, "artifacts": {n: {"path": a.path, "status": a.status, "reason": a.reason,
+                                                                       "provenance": a.provenance} for n, a in arts.items()}},
+                   headline=headline(res, arts), notes=notes(res))

@@ -10,19 +10,24 @@ method at 1,000 entries of 4K tokens).
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
-from kvstate.lab.report.html import HeadlineRow, Section, Table
+from kvstate.lab.provenance import load_artifact
+from kvstate.lab.report.html import HeadlineRow, Section, Table, artifact_row, run_row
 
 PAPER = "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"
 
 TECH = "position (sparse prefix caching, online)"
 LIVE_REQUESTS, LIVE_SCALE = 10, 0.04
+REPLAY_FILE, TREE_FILE = "prefix_replay.json", "prefix_tree_replay.json"
+REPLAY_CMD = "OMP_NUM_THREADS=1 python benchmarks/prefix_replay.py --out models/ref-hybrid/prefix_replay.json"
+TREE_CMD = ("OMP_NUM_THREADS=1 python benchmarks/prefix_replay.py --placement path tree --workloads quality "
+            "system_prompts --requests 200 --no-baseline --grid 1073741824:8,33554432:8,1073741824:2,16777216:2 "
+            "--out models/ref-hybrid/prefix_tree_replay.json")
 
 
 def _bookkeeping_ms(entries: int = 1000, length: int = 4096, requests: int = 10) -> float:
@@ -93,10 +98,10 @@ def _live(models_dir: Path) -> tuple[list[list[object]], dict[str, object]]:
 def _tree_vs_path(path: Path, tables: list[Table], summary: dict[str, object]) -> HeadlineRow:
     """Tree placement against per-path placement at the same byte budget, from the committed replay runs."""
     target = "tree placement ≥ independent per-path placement in tokens reused (replay, same byte budget)"
-    if not path.is_file():
-        return HeadlineRow(TECH, target, f"no committed comparison ({path.name}; run benchmarks/prefix_replay.py "
-                           "--placement path tree)", None)
-    data = json.loads(path.read_text())
+    art = load_artifact(path, TREE_CMD)
+    if art.run is None:
+        return artifact_row(art, TECH, target, "")
+    data = art.run
     rows: list[list[object]] = []
     gains: list[float] = []
     for run in data["runs"]:
@@ -107,9 +112,9 @@ def _tree_vs_path(path: Path, tables: list[Table], summary: dict[str, object]) -
             rows.append([w, run["slots"], f"{run['budget_bytes'] / 2**20:,.0f} MiB", p, t, f"{100 * gains[-1]:+.1f}%"])
     tables.append(Table("Tree vs per-path placement: tokens reused (committed replay, 200 requests per workload)",
                         ["workload", "slots M", "budget", "path", "tree", "tree vs path"], rows,
-                        note=f"From {path.name}: {data['command']}."))
+                        note=f"From {path.name}: {data.get('command') or art.provenance.get('command')}."))
     summary["tree_vs_path"] = {"cells": len(gains), "min_gain": min(gains), "max_gain": max(gains)}
-    return HeadlineRow(TECH, target,
+    return artifact_row(art, TECH, target,
                        f"tree ≥ path in {sum(g >= 0 for g in gains)} of {len(gains)} cells; up to "
                        f"{100 * max(gains):+.1f}%", all(g >= 0 for g in gains))
 
@@ -124,12 +129,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             paper=PAPER,
             intro=f"No reference model at {models_dir / 'ref-hybrid'}: nothing to replay.",
             headline=[
-                HeadlineRow(
-                    TECH,
-                    "QuALITY replay: tokens reused ≥ 0.9× the offline prediction",
-                    "no ref-hybrid model in this run",
-                    None,
-                )
+                run_row(TECH, "QuALITY replay: tokens reused ≥ 0.9× the offline prediction",
+                        "no ref-hybrid model in this run", status="missing")
             ],
         )
     live_rows, summary["live"] = _live(models_dir)
@@ -150,9 +151,9 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             live_rows,
         )
     )
-    committed = models_dir / "ref-hybrid" / "prefix_replay.json"
-    if committed.is_file():
-        data = json.loads(committed.read_text())
+    art = load_artifact(models_dir / "ref-hybrid" / REPLAY_FILE, REPLAY_CMD)
+    if art.run is not None:
+        data = art.run
         rows = []
         for r in data["results"]:
             ratio = r["tokens_reused"] / r["predicted_reused"] if r["predicted_reused"] else float("nan")
@@ -173,7 +174,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             )
         tables.append(
             Table(
-                f"Committed replay ({data['command']}, lengths × {data['scale']}, M=8, budget {data['budget_bytes']:,} B)",
+                f"Committed replay ({data.get('command') or art.provenance.get('command')}, lengths × {data['scale']}, M=8, budget {data['budget_bytes']:,} B)",
                 [
                     "workload",
                     "planner",
@@ -194,7 +195,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         q = next(r for r in data["results"] if r["workload"] == "quality" and r["planner"] == "optimal")
         ratio = q["tokens_reused"] / q["predicted_reused"] if q["predicted_reused"] else 0.0
         headline.append(
-            HeadlineRow(
+            artifact_row(
+                art,
                 TECH,
                 "QuALITY replay: tokens reused ≥ 0.9× the offline prediction",
                 f"{ratio:.3f}× ({q['requests']} requests)",
@@ -203,7 +205,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         )
         third = data["twelve"]["third_question_reused"]
         headline.append(
-            HeadlineRow(
+            artifact_row(
+                art,
                 TECH,
                 "12-request example: every third question resumes from ≥ 960 tokens",
                 f"{third}",
@@ -212,7 +215,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         )
         kv = max(r["kv_bytes_held"] / max(r["kv_bytes_distinct"], 1) for r in data["results"])
         headline.append(
-            HeadlineRow(
+            artifact_row(
+                art,
                 TECH,
                 "KV bytes held ≤ 1.05× the KV of the distinct tokens",
                 f"{kv:.3f}× (worst workload)",
@@ -220,7 +224,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             )
         )
         headline.append(
-            HeadlineRow(
+            artifact_row(
+                art,
                 TECH,
                 "wall-clock saved ∝ tokens reused: R² ≥ 0.95 (QuALITY replay)",
                 f"{q['saved_r2']:.3f}",
@@ -228,18 +233,11 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             )
         )
     else:
-        headline.append(
-            HeadlineRow(
-                TECH,
-                "QuALITY replay: tokens reused ≥ 0.9× the offline prediction",
-                "no committed replay (run benchmarks/prefix_replay.py)",
-                None,
-            )
-        )
+        headline.append(artifact_row(art, TECH, "QuALITY replay: tokens reused ≥ 0.9× the offline prediction", ""))
     ms = _bookkeeping_ms()
     summary["bookkeeping_ms_1000x4k"] = ms
     headline.append(
-        HeadlineRow(
+        run_row(
             TECH, "per-request bookkeeping ≤ 5 ms at 1,000 entries of 4K tokens", f"{ms:.2f} ms", ms <= 5.0
         )
     )

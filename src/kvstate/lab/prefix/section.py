@@ -18,7 +18,7 @@ import torch
 from kvstate.lab.prefix.evaluate import match_block, match_block_per_entry, savings_table, workload_weights
 from kvstate.lab.prefix.timing import bench_model, measure_engine
 from kvstate.lab.report import plots
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, pct, pivot
+from kvstate.lab.report.html import Figure, Section, Table, pct, pivot, run_row
 from kvstate.lab.workloads.traces import WORKLOADS
 from kvstate.models import checkpoint_bytes, qwen35_08b_config, segmented_prefill, tiny_model
 from kvstate.prefix.engine import SparsePrefixCache
@@ -89,22 +89,22 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     summary["exactness"] = ex = resume_exactness()
     sp = summary.get("system_prompts", {})
     headline = [
-        HeadlineRow(TECHNIQUE, "exact DP placement saves >= every baseline at every budget",
+        run_row(TECHNIQUE, "exact DP placement saves >= every baseline at every budget",
                     f"{wins} of {cells} workload × budget cells", wins == cells),
-        HeadlineRow(TECHNIQUE, f"capturing checkpoints during prefill costs <= {CAPTURE_MAX:.2f}× a plain prefill",
+        run_row(TECHNIQUE, f"capturing checkpoints during prefill costs <= {CAPTURE_MAX:.2f}× a plain prefill",
                     f"{t['capture_ratio']:.3f}×", t["capture_ratio"] <= CAPTURE_MAX),
-        HeadlineRow(TECHNIQUE, f"resumed prefill = full prefill (fp32 max |Δ logit| <= {LOGIT_TOL:.0e}; bf16 "
+        run_row(TECHNIQUE, f"resumed prefill = full prefill (fp32 max |Δ logit| <= {LOGIT_TOL:.0e}; bf16 "
                     "bit-identical at chunk-aligned checkpoints)",
                     f"{ex['fp32_max_abs_logit_diff']:.1e} fp32; bf16 "
                     + ("bit-identical" if ex["bf16_bit_identical"] else "differs"),
                     ex["fp32_max_abs_logit_diff"] <= LOGIT_TOL and ex["bf16_bit_identical"] and ex["reused_tokens"] > 0),
-        HeadlineRow(TECHNIQUE, f"wall-clock saved is linear in tokens restored (R² >= {R2_MIN:.2f})",
+        run_row(TECHNIQUE, f"wall-clock saved is linear in tokens restored (R² >= {R2_MIN:.2f})",
                     f"R² = {t['fit_r2']:.3f}", t["fit_r2"] >= R2_MIN),
-        HeadlineRow(TECHNIQUE, f"restoring a checkpoint costs <= {RESTORE_MAX:.0%} of the time it saves",
+        run_row(TECHNIQUE, f"restoring a checkpoint costs <= {RESTORE_MAX:.0%} of the time it saves",
                     f"at most {pct(t['restore_overhead_max'])}", t["restore_overhead_max"] <= RESTORE_MAX),
     ]
     if sp:
-        headline.append(HeadlineRow(
+        headline.append(run_row(
             TECHNIQUE, "system prompts: the exact DP matches block-64 caching's savings with fewer checkpoints",
             f"{sp['optimal_checkpoints_to_match']} vs {sp['block64_checkpoints']} checkpoints",
             sp["optimal_checkpoints_to_match"] < sp["block64_checkpoints"]))

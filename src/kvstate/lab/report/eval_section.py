@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.lab import protocol, stats
 from kvstate.lab.harness import load_reference, run_tasks
 from kvstate.lab.report import plots
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, pivot
+from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, pivot, run_row
 
 TASKS = ["niah_single", "niah_multikey", "vt", "qa"]
 LENGTHS = [256, 512, 1024]
@@ -24,7 +25,7 @@ N = 8
 SEED = 1234  # held-out examples (training draws from another seed stream)
 GATE_TASKS = ["niah_single", "niah_multikey"]
 GATE_LENGTH = 1024
-GATE_N = 20
+GATE_N = protocol.HEADLINE_N
 GATE_THRESHOLD = 0.9
 PAPER = "RULER: What's the Real Context Size of Your Long-Context Language Models? (the task shapes)"
 
@@ -128,15 +129,19 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         summary["models"][d.name] = result.as_json(d.name, detail=True)["results"]
         depth_grids[d.name] = result.depth_grid("niah_multikey", bins=4)
         gate = run_tasks(model, tokenizer, GATE_TASKS, [GATE_LENGTH], GATE_N, SEED)
-        scores = {t: round(gate.score(t, GATE_LENGTH), 2) for t in GATE_TASKS}
-        met = all(v >= GATE_THRESHOLD for v in scores.values())
-        summary["gate"][d.name] = {**scores, "n": GATE_N, "length": GATE_LENGTH, "threshold": GATE_THRESHOLD,
-                                   "met": met}
-        headline.append(HeadlineRow(f"reference model {d.name}",
-                                    f"full-cache exact match >= {GATE_THRESHOLD:.2f} on {' and '.join(GATE_TASKS)} "
-                                    f"at {GATE_LENGTH:,} tokens",
-                                    " / ".join(f"{scores[t]:.2f}" for t in GATE_TASKS) + f" (n = {GATE_N} each)",
-                                    met))
+        est = {t: stats.rate([e.score for e in gate.examples if e.task == t and e.length == GATE_LENGTH], seed=SEED)
+               for t in GATE_TASKS}
+        status = protocol.combine_status([stats.decide(e.lo, e.hi, GATE_THRESHOLD) for e in est.values()])
+        worst = min(est.values(), key=lambda e: e.lo)
+        summary["gate"][d.name] = {**{t: round(e.value, 3) for t, e in est.items()},
+                                   "ci": {t: [round(e.lo, 3), round(e.hi, 3)] for t, e in est.items()},
+                                   "n": GATE_N, "length": GATE_LENGTH, "threshold": GATE_THRESHOLD,
+                                   "status": status}
+        headline.append(run_row(f"reference model {d.name}",
+                                f"full-cache exact match >= {GATE_THRESHOLD:.2f} on {' and '.join(GATE_TASKS)} "
+                                f"at {GATE_LENGTH:,} tokens (interval: the lower task)",
+                                " / ".join(f"{est[t].value:.2f}" for t in GATE_TASKS) + f" (n = {GATE_N} each)",
+                                status=status, ci=(worst.lo, worst.hi), rate=True))
     figures = [_score_figure(grids, out_dir)]
     depth = _depth_figure(depth_grids, out_dir)
     figures += [depth] if depth else []
@@ -165,7 +170,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
 def _conclusion(summary: dict[str, Any], grids: dict[str, dict[tuple[str, int], float]],
                 bytes_at: dict[str, float], depth_flat: bool) -> str:
     gate = summary["gate"]
-    passed = [m for m, g in gate.items() if g["met"]]
+    passed = [m for m, g in gate.items() if g["status"] == "met"]
     parts = [f"{len(passed)} of {len(gate)} reference models pass the retrieval gate at {GATE_LENGTH:,} tokens ("
              + "; ".join(f"{m}: " + " / ".join(f"{g[t]:.2f}" for t in GATE_TASKS) for m, g in gate.items()) + ")."]
     weak = [t for t in TASKS if t not in GATE_TASKS]

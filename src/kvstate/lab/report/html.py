@@ -52,7 +52,7 @@ from typing import Any
 
 from kvstate.errors import KVStateError
 
-SCHEMA_VERSION = 2  # summary.json layout: {schema_version, generator, run, headline, sections: {key: summary}}
+SCHEMA_VERSION = 3  # summary.json layout: {schema_version, generator, run, headline, headline_counts, notes, sections}
 GENERATOR = "kvstate report"  # marks a directory as a kvstate report (index.html meta tag, summary.json)
 COLLAPSE_ROWS = 15  # a compact table longer than this goes into the collapsed full-data block
 
@@ -73,18 +73,75 @@ class Figure:
     alt: str = ""  # text for screen readers; the title when empty
 
 
+SOURCES = ("run", "artifact")
+STATUSES = ("met", "missed", "undecided", "stale", "missing")
+
+
 @dataclass(frozen=True)
 class HeadlineRow:
-    """One target a technique is measured against, with this run's value (never fixed text)."""
+    """One target a technique is measured against, with its value, where it came from and its status.
+
+    ``source`` says whether this report run measured the value (``"run"``) or read it from a committed
+    result file (``"artifact"``, with ``artifact`` / ``commit`` / ``command`` from the file's provenance;
+    build such rows with :func:`artifact_row`). A rate carries its 95% interval in ``ci`` and its status
+    comes from the interval (:func:`kvstate.lab.stats.decide`): ``met`` / ``missed`` / ``undecided``.
+    ``stale`` / ``missing`` mark an artifact that no longer describes the code or models, or is absent.
+    """
 
     technique: str  # e.g. "position (sparse prefix caching)"
     target: str  # what is promised, e.g. "capture overhead <= 1.10x a plain prefill"
-    measured: str  # this run's value, formatted, e.g. "1.04x"
-    met: bool | None  # None when the run could not decide (say why in `measured`)
+    measured: str  # the value, formatted, e.g. "1.04x" (never fixed text)
+    met: bool | None = None  # for checks without an interval; None when undecided
+    source: str = field(default="", kw_only=True)  # "run" | "artifact"
+    status: str = field(default="", kw_only=True)  # met | missed | undecided | stale | missing ("" → from met)
+    ci: tuple[float, float] | None = field(default=None, kw_only=True)  # 95% interval of the measured rate
+    rate: bool = field(default=False, kw_only=True)  # the value is a rate / estimate: ci is required
+    artifact: str | None = field(default=None, kw_only=True)  # result file (repository-relative)
+    commit: str | None = field(default=None, kw_only=True)  # commit recorded in the file's provenance
+    command: str | None = field(default=None, kw_only=True)  # the command that regenerates the file
 
     def __post_init__(self) -> None:
         if self.met is not None:  # numpy.bool_ from a comparison of numpy numbers is not `True`
             object.__setattr__(self, "met", bool(self.met))
+        if self.source not in SOURCES:
+            raise KVStateError(f"HeadlineRow {self.target!r}: source={self.source!r}; pass source='run' for a "
+                               "value measured by this report run or build it with artifact_row() for a file")
+        status = self.status or {True: "met", False: "missed", None: "undecided"}[self.met]
+        if status not in STATUSES:
+            raise KVStateError(f"HeadlineRow {self.target!r}: status={status!r}; one of {', '.join(STATUSES)}")
+        object.__setattr__(self, "status", status)
+        if status in ("met", "missed") and self.met is None:
+            object.__setattr__(self, "met", status == "met")
+        if self.ci is not None:
+            lo, hi = (float(x) for x in self.ci)
+            object.__setattr__(self, "ci", (lo, hi))
+        if self.rate and self.ci is None and status not in ("stale", "missing"):
+            raise KVStateError(f"HeadlineRow {self.target!r}: a rate needs its interval (ci=(lo, hi))")
+        if self.source == "artifact" and not (self.artifact and self.command):
+            raise KVStateError(f"HeadlineRow {self.target!r}: an artifact row names its file and the command "
+                               "that regenerates it (use artifact_row)")
+
+
+def run_row(technique: str, target: str, measured: str, met: bool | None = None, *, status: str = "",
+            ci: tuple[float, float] | None = None, rate: bool = False) -> HeadlineRow:
+    """A headline row measured by this report run."""
+    return HeadlineRow(technique, target, measured, met, source="run", status=status, ci=ci, rate=rate)
+
+
+def artifact_row(art: Any, technique: str, target: str, measured: str, met: bool | None = None, *,
+                 status: str = "", ci: tuple[float, float] | None = None, rate: bool = False) -> HeadlineRow:
+    """A headline row read from a committed result file (a :class:`kvstate.lab.provenance.Artifact`).
+
+    A stale or missing file marks the row so, names why and the command that regenerates it: a stale
+    number is never shown as current.
+    """
+    if art.status != "current":
+        note = f"{art.status}: {art.reason} — regenerate with `{art.command}`"
+        shown = f"{measured} [{note}]" if art.status == "stale" and measured else note
+        return HeadlineRow(technique, target, shown, None, source="artifact", status=art.status, ci=ci, rate=rate,
+                           artifact=art.path, commit=art.commit, command=art.command)
+    return HeadlineRow(technique, target, measured, met, source="artifact", status=status, ci=ci, rate=rate,
+                       artifact=art.path, commit=art.commit, command=art.command)
 
 
 @dataclass
@@ -96,6 +153,7 @@ class Section:
     figures: list[Figure] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)  # machine-readable numbers for summary.json
     headline: list[HeadlineRow] = field(default_factory=list)  # rows for the report's headline table
+    notes: list[str] = field(default_factory=list)  # facts shown under the headline that cannot be missed
     conclusion: str = ""  # what the reader should conclude, with this run's numbers
     paper: str = ""  # title of the paper the technique comes from
     details: list[Table] = field(default_factory=list)  # full long-format data, collapsed
@@ -150,9 +208,13 @@ def _cell(value: Any) -> str:
     return _e(value)
 
 
-def _status(met: bool | None) -> str:
-    return {True: "<span class='met'>met</span>", False: "<span class='missed'>missed</span>",
-            None: "<span class='open'>undecided</span>"}[met]
+def _status(status: str) -> str:
+    cls = {"met": "met", "missed": "missed", "undecided": "open", "stale": "stale", "missing": "stale"}[status]
+    return f"<span class='{cls}'>{_e(status)}</span>"
+
+
+def _ci(row: HeadlineRow) -> str:
+    return "" if row.ci is None else f"[{row.ci[0]:.3g}, {row.ci[1]:.3g}]"
 
 
 def _table(t: Table, cls: str = "") -> str:
@@ -184,29 +246,46 @@ caption{text-align:left;font-weight:600;padding:.3em 0}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left}
 table.headline td,table.headline th{text-align:left} table.headline td:first-child{white-space:nowrap}
-.met{color:#1a7f37;font-weight:700} .missed{color:#c62828;font-weight:700} .open{color:#8a6d00;font-weight:700}
+.met{color:#1a7f37;font-weight:700} .stale{color:#6a1b9a;font-weight:700} .missed{color:#c62828;font-weight:700} .open{color:#8a6d00;font-weight:700}
 figure{margin:1em 0} img{max-width:100%;height:auto} details{margin:1em 0} summary{cursor:pointer;color:#0b57d0}
 nav ol{columns:2} a{color:#0b57d0} div.tables{display:flex;flex-wrap:wrap;gap:0 2.5em;align-items:flex-start}
 div.tables p.note{flex-basis:100%;margin-top:-.6em}
 """
 
 
+def headline_counts(rows: Sequence[HeadlineRow]) -> dict[str, int]:
+    """How many rows have each status, and how many were measured by this run (``live``)."""
+    out = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    out["live"] = sum(r.source == "run" for r in rows)
+    return out
+
+
+def headline_lede(rows: Sequence[HeadlineRow]) -> str:
+    c = headline_counts(rows)
+    text = f"{c['met']} met, {c['missed']} missed, {c['undecided']} undecided; {c['live']} measured in this run"
+    extra = [f"{c[s]} {s}" for s in ("stale", "missing") if c[s]]
+    return text + (f" ({', '.join(extra)}: see the rows for the command that regenerates them)" if extra else "")
+
+
 def _headline(sections: list[Section]) -> str:
     rows = [(s, r) for s in sections for r in s.headline]
     if not rows:
         return "<p class='lede'>No section measured a target in this run.</p>"
-    met = sum(r.met is True for _, r in rows)
-    missed = sum(r.met is False for _, r in rows)
-    out = [f"<p class='lede'><strong>{met} of {len(rows)} targets met</strong>"
-           + (f", {missed} missed" if missed else "")
-           + (f", {len(rows) - met - missed} undecided" if len(rows) - met - missed else "")
-           + " in this run.</p>",
+    out = [f"<p class='lede' id='headline-lede'><strong>{_e(headline_lede([r for _, r in rows]))}</strong>.</p>",
            "<table class='headline' id='headline-table'><thead><tr><th>technique</th><th>target</th>"
-           "<th>measured</th><th>status</th></tr></thead><tbody>"]
+           "<th>measured</th><th>95% interval</th><th>status</th><th>source</th></tr></thead><tbody>"]
     for s, r in rows:
-        out.append(f"<tr><td><a href='#{_e(s.key)}'>{_e(r.technique)}</a></td><td>{_e(r.target)}</td>"
-                   f"<td class='measured'>{_e(r.measured)}</td><td>{_status(r.met)}</td></tr>")
+        src = "this run" if r.source == "run" else f"{r.artifact} @ {r.commit or 'no provenance'}"
+        title = f" title='{_e(r.command)}'" if r.command else ""
+        out.append(f"<tr data-source='{_e(r.source)}' data-status='{_e(r.status)}' data-ci='{_e(_ci(r))}' "
+                   f"data-rate='{int(r.rate)}'><td><a href='#{_e(s.key)}'>{_e(r.technique)}</a></td>"
+                   f"<td>{_e(r.target)}</td><td class='measured'>{_e(r.measured)}</td><td class='ci'>{_e(_ci(r))}</td>"
+                   f"<td>{_status(r.status)}</td><td class='source'{title}>{_e(src)}</td></tr>")
     out.append("</tbody></table>")
+    notes = [(s, n) for s in sections for n in s.notes]
+    if notes:
+        out.append("<ul class='notes' id='headline-notes'>" + "".join(
+            f"<li><a href='#{_e(s.key)}'>{_e(s.title.split(':')[0])}</a>: {_e(n)}</li>" for s, n in notes) + "</ul>")
     return "\n".join(out)
 
 
@@ -261,7 +340,7 @@ def render(sections: list[Section], title: str = "kvstate report", run: dict[str
         f"<meta name='generator' content='{GENERATOR}'>",
         f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        "<section id='headline'><h2>Headline: targets met in this run</h2>",
+        "<section id='headline'><h2>Headline: targets, live and recorded</h2>",
         _headline(sections),
         _settings(run or {}, sections),
         "</section>",
@@ -280,6 +359,8 @@ def summary_json(sections: list[Section], run: dict[str, Any] | None = None) -> 
         "run": {**(run or {}), "sections": [{"key": s.key, "title": s.title, "paper": s.paper,
                                               "seconds": s.seconds} for s in sections]},
         "headline": [{"section": s.key, **asdict(r)} for s in sections for r in s.headline],
+        "headline_counts": headline_counts([r for s in sections for r in s.headline]),
+        "notes": {s.key: s.notes for s in sections if s.notes},
         "sections": {s.key: s.summary for s in sections},
     }
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvstate.lab.provenance import read_runs
 from kvstate.lab.report.html import atomic_write_text
 
 
@@ -81,7 +82,7 @@ def write_card(out_dir: Path, model_dir: Path, manifest: dict[str, Any] | None =
     else:
         manifest = {**json.loads((out_dir / "manifest.json").read_text()), **manifest}
     ev = out_dir / "eval.json"
-    evaluation = json.loads(ev.read_text()) if ev.is_file() else None
+    evaluation = read_runs(ev)[-1] if ev.is_file() else None
     path = out_dir / "README.md"
     atomic_write_text(path, render_card(model_dir, manifest, evaluation))
     return path

@@ -22,7 +22,8 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table
+from kvstate.lab.provenance import load_artifact
+from kvstate.lab.report.html import Figure, Section, Table, artifact_row
 
 PAPER = "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory"
 
@@ -142,12 +143,12 @@ def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
 
 def build(out_dir: Path, models_dir: Path) -> Section:
     src = models_dir / "ref-attn-sekv"
-    main, sweep = _load(src / "eval.json"), _load(src / "eval_sweep.json")
+    art = load_artifact(src / "eval.json", EVAL_COMMAND)
+    main, sweep = art.run, _load(src / "eval_sweep.json")
     if main is None:
         return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER,
-                       intro=f"No results at {src / 'eval.json'}; run `kvstate semantic eval --model models/ref-attn "
-                             "--json --save models/ref-attn-sekv/eval.json`.",
-                       headline=[HeadlineRow(TECH, "SEKV benchmark", "not run", None)])
+                       intro=f"No results at {src / 'eval.json'}; run `{EVAL_COMMAND}`.",
+                       headline=[artifact_row(art, TECH, "SEKV benchmark", "")])
     ppl_rows = [r for r in main["results"] if r["task"] == "ppl"]
     ppl_table = _ppl_table(ppl_rows, f"Held-out perplexity, compress the context then continue ({main['model']})")
     allrows = [r for r in main["results"] if r["task"] != "ppl"]  # perplexity has its own table
@@ -197,17 +198,17 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     best = max(press_avg.items(), key=lambda kv: kv[1]) if press_avg else None
     head = []
     if sekv is not None and best is not None:
-        head.append(HeadlineRow(TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
+        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
                                 f"SEKV {sekv:.3f} vs {best[0]} {best[1]:.3f} ({100 * (sekv - best[1]):+.1f} points)",
                                 sekv >= best[1] + 0.05))
     else:
-        head.append(HeadlineRow(TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
+        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
                                 "kvpress presses not in this run" if sekv is not None else "SEKV not in this run", None))
     if sekv is not None and full:
-        head.append(HeadlineRow(TECH, "avg accuracy at 25% >= 95% of full KV",
+        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= 95% of full KV",
                                 f"{sekv:.3f} / {full:.3f} = {sekv / full:.2f}", sekv >= 0.95 * full))
     if "sekv" in niah_correct:
-        head.append(HeadlineRow(TECH, "NIAH heatmap at 25% >= 95% of cells correct (cell mean >= 0.5)",
+        head.append(artifact_row(art, TECH, "NIAH heatmap at 25% >= 95% of cells correct (cell mean >= 0.5)",
                                 f"{100 * niah_correct['sekv']:.0f}% of cells", niah_correct["sekv"] >= 0.95))
     sweep_rows, loss_budget = [], None
     budgets = sorted({r["budget"] for r in rows if r["method"] == "sekv"}, reverse=True)
@@ -224,18 +225,18 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             fb = np.mean([r["fast_bytes"] for r in rows if r["method"] == "sekv" and abs(r["budget"] - b) < 1e-9])
             loss_budget = (b, float(fb / full_bytes))
     if loss_budget is not None:
-        head.append(HeadlineRow(TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
+        head.append(artifact_row(art, TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
                                 f"budget {loss_budget[0]}: fast tier {100 * loss_budget[1]:.0f}% of full KV",
                                 loss_budget[1] <= 0.5))
     else:
-        head.append(HeadlineRow(TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
+        head.append(artifact_row(art, TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
                                 f"no measured budget ({', '.join(str(b) for b in budgets)}) kept the loss <= 2 points",
                                 False if budgets else None))
     sekv_ms = [r["decode_ms_per_token"] for r in main["results"] if r["method"] == "sekv"
                and abs(r["budget"] - MAIN_BUDGET) < 1e-9]
     if sekv_ms and full_rows:
         ratio = float(np.mean(sekv_ms)) / full_ms
-        head.append(HeadlineRow(TECH, "decode latency <= 1.5x full KV (this CPU)", f"{ratio:.2f}x", ratio <= 1.5))
+        head.append(artifact_row(art, TECH, "decode latency <= 1.5x full KV (this CPU)", f"{ratio:.2f}x", ratio <= 1.5))
     intro = (f"Model {main['model']}, router {main.get('router')}. Protocol: the context is prefilled and compressed "
              "without the question, then each question is fed and answered greedily (niah_4q: four questions on one "
              "compressed context). Budget = fast-tier bytes / full KV bytes of the context, the same for every method; "
@@ -274,3 +275,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                             "ppl": {f"{r['method']}@{r['budget']}@{r['length']}": r["score"] for r in ppl_rows},
                             "hybrid_avg_accuracy": hybrid_summary},
                    headline=head)
+
+
+EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 "
+                "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 --json "
+                "--save models/ref-attn-sekv/eval.json")

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from kvstate.errors import KVStateError
+from kvstate.lab.provenance import read_runs
 
 
 def _weight_drift(model_dir: Path, base_dir: Path) -> list[tuple[str, float]]:
@@ -71,7 +72,7 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
               "| tensors | change |", "|---|---:|"]
     lines += [f"| {g} | {d:.4f} |" for g, d in _weight_drift(model_dir, base_dir)]
     if bench_json is not None and Path(bench_json).is_file():
-        bench = json.loads(Path(bench_json).read_text())
+        bench = read_runs(bench_json)[-1]
         by = {r["method"]: r for r in bench["results"]}
         o, r = by["oracle"], by["raw"]
         lines += ["", "## Does raw producer-KV reuse hurt this consumer?", "",

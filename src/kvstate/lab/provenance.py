@@ -1,0 +1,233 @@
+"""Where every result file came from, and whether it still describes the code and models it names.
+
+The measurement protocol (``docs/lab.md``): every result file records the commit, the command line,
+n, seeds, tasks, lengths, library versions, threads, wall time and date of the run that made it, and
+runs are *appended*, never replaced by a later, better one. A result file is
+``{"format": "kvstate-results/1", "runs": [run, ...]}``; each run is ``{"provenance": {...}, ...}``
+with the command's own result fields beside it.
+
+Staleness is decided from content, not from dates: a run records a digest of the source files it
+depends on (``code``: the library axis, its lab slice and the shared lab pieces) and of every model
+directory it read (``models``: weights, configs, routers, codecs). The report recomputes both; a
+differing digest marks the result ``stale`` and names the command that regenerates it. A file that
+predates provenance (no ``format``) is read as one run without provenance, which is stale too.
+Ignored: authenticity (a digest detects change, not tampering).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from kvstate.errors import InputFileError
+from kvstate.io_safety import write_text_atomic
+
+FORMAT = "kvstate-results/1"
+SRC = Path(__file__).resolve().parents[1]  # src/kvstate
+REPO = SRC.parents[1]
+MODEL_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json"}  # the JSON files that define a model (results and cards are not part of it)
+
+
+def git_commit() -> str:
+    """The commit of the source tree (``+ uncommitted changes`` when dirty), or ``unknown``."""
+    try:
+        head = subprocess.run(["git", "-C", str(SRC), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(SRC), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return f"{head} + uncommitted changes" if dirty else head
+
+
+def environment() -> dict[str, Any]:
+    """Machine threads and library versions (torch / transformers imported lazily)."""
+    import numpy
+    import torch
+    import transformers
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "cpu_count": os.cpu_count() or 0,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def _files(paths: Iterable[Path]) -> list[Path]:
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            out += sorted(q for q in p.rglob("*.py") if "__pycache__" not in q.parts)
+        elif p.is_file():
+            out.append(p)
+    return out
+
+
+def _digest(files: Sequence[Path], root: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def code_digest(modules: Sequence[str]) -> str:
+    """Digest of the source files under ``modules`` (paths relative to ``src/kvstate``, files or packages)."""
+    return _digest(_files(SRC / m for m in modules), SRC)
+
+
+def model_digest(directory: str | Path) -> str:
+    """Digest of what a model / router / codec directory holds that results depend on.
+
+    Weights (``*.safetensors``) and configuration / tokenizer JSON; not the card, the checksum manifest,
+    the training state, nor result files written into the directory.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        return "missing"
+    files = sorted(p for p in d.iterdir() if p.is_file() and not p.name.startswith(".")
+                   and (p.suffix == ".safetensors" or p.name in MODEL_JSON))
+    return _digest(files, d)
+
+
+def _repo_relative(p: str | Path) -> str:
+    q = Path(p).resolve()
+    try:
+        return q.relative_to(REPO).as_posix()
+    except ValueError:
+        return str(p)
+
+
+@dataclass
+class Recorder:
+    """Provenance of one run: create it before the work starts, call :meth:`finish` when it is done."""
+
+    code: Sequence[str]  # source the results depend on (relative to src/kvstate), e.g. ("depth", "lab/depth")
+    models: Sequence[str | Path] = ()  # model / router / codec directories the run read
+    n: int | None = None  # items per cell
+    seeds: Sequence[int] = ()
+    tasks: Sequence[str] = ()
+    lengths: Sequence[int] = ()
+    command: str | None = None  # defaults to this process's command line
+    settings: dict[str, Any] = field(default_factory=dict)  # anything else the run was configured with
+    _t0: float = field(default_factory=time.perf_counter, repr=False)
+    _started: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"), repr=False)
+
+    def finish(self) -> dict[str, Any]:
+        argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+        return {
+            "commit": git_commit(),
+            "command": self.command or shlex.join(argv),
+            "date_utc": self._started,
+            "wall_seconds": round(time.perf_counter() - self._t0, 1),
+            "n": self.n,
+            "seeds": list(self.seeds),
+            "tasks": list(self.tasks),
+            "lengths": list(self.lengths),
+            "settings": self.settings,
+            "code": {"modules": list(self.code), "digest": code_digest(self.code)},
+            "models": {_repo_relative(m): model_digest(m) for m in self.models},
+            **environment(),
+        }
+
+
+def read_runs(path: str | Path) -> list[dict[str, Any]]:
+    """Every run recorded in a result file (oldest first); a pre-provenance file reads as one bare run."""
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        try:  # the older JSON-lines form: the last line is the run
+            doc = json.loads(text.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise InputFileError(f"{p}: not a JSON result file; regenerate it (make reproduce) or remove it") from None
+    if isinstance(doc, dict) and doc.get("format") == FORMAT:
+        runs = doc.get("runs")
+        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+            raise InputFileError(f"{p}: a {FORMAT} file whose 'runs' is not a list of objects; regenerate it")
+        return runs
+    if isinstance(doc, dict) and "format" in doc:
+        raise InputFileError(f"{p}: result format {doc['format']!r}, expected {FORMAT!r}; regenerate it")
+    return [doc if isinstance(doc, dict) else {"rows": doc}]
+
+
+def append_run(path: str | Path, run: dict[str, Any], provenance: dict[str, Any]) -> None:
+    """Append ``run`` (with its ``provenance``) to the result file at ``path``, atomically; older runs kept."""
+    p = Path(path)
+    runs = read_runs(p) if p.is_file() else []
+    runs.append({"provenance": provenance, **run})
+    write_text_atomic(p, json.dumps({"format": FORMAT, "runs": runs}, indent=1, allow_nan=False) + "\n")
+
+
+Status = Literal["current", "stale", "missing"]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """The newest run of a committed result file, and whether it still describes the code and models."""
+
+    path: str  # repository-relative path of the result file
+    command: str  # the command that regenerates it
+    status: Status
+    reason: str  # why stale / missing ("" when current)
+    run: dict[str, Any] | None  # the newest run (None when missing)
+    runs: int  # runs kept in the file
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        return dict((self.run or {}).get("provenance") or {})
+
+    @property
+    def commit(self) -> str | None:
+        return self.provenance.get("commit")
+
+
+def load_artifact(path: str | Path, command: str, *, select: Any = None) -> Artifact:
+    """Read a committed result file and decide ``current`` / ``stale`` / ``missing``.
+
+    ``command`` is what regenerates it (shown on stale / missing rows). ``select(run) -> bool`` picks the
+    newest run that qualifies (default: the newest run).
+    """
+    p = Path(path)
+    rel = _repo_relative(p)
+    if not p.is_file():
+        return Artifact(rel, command, "missing", "file not found", None, 0)
+    runs = read_runs(p)
+    chosen = [r for r in runs if select is None or select(r)]
+    if not chosen:
+        return Artifact(rel, command, "missing", "no run of the kind this row needs", None, len(runs))
+    run = chosen[-1]
+    prov = run.get("provenance")
+    if not isinstance(prov, dict):
+        return Artifact(rel, command, "stale", "no provenance recorded", run, len(runs))
+    code = prov.get("code") or {}
+    if code.get("digest") != code_digest(code.get("modules") or []):
+        return Artifact(rel, command, "stale", f"source of {', '.join(code.get('modules') or [])} changed since "
+                        f"commit {prov.get('commit')}", run, len(runs))
+    for model, digest in (prov.get("models") or {}).items():
+        path_m = Path(model) if Path(model).is_absolute() else REPO / model
+        if model_digest(path_m) != digest:
+            return Artifact(rel, command, "stale", f"{model} changed since the run", run, len(runs))
+    return Artifact(rel, command, "current", "", run, len(runs))
+
+
+__all__ = ["FORMAT", "Artifact", "Recorder", "append_run", "code_digest", "environment", "git_commit",
+           "load_artifact", "model_digest", "read_runs"]

@@ -1,0 +1,62 @@
+"""Result files record where they came from, keep every run, and go stale when their code or models change."""
+
+import json
+
+import pytest
+
+from kvstate.errors import InputFileError
+from kvstate.lab import provenance as P
+
+
+def test_a_run_records_its_provenance_and_runs_are_appended(tmp_path):
+    rec = P.Recorder(code=("depth",), models=[tmp_path / "absent"], n=100, seeds=[1000], tasks=["niah_single"],
+                     lengths=[1024], command="kvstate depth eval --n 100")
+    prov = rec.finish()
+    for key in ("commit", "command", "date_utc", "wall_seconds", "n", "seeds", "tasks", "lengths", "torch",
+                "transformers", "torch_threads", "code", "models"):
+        assert key in prov
+    path = tmp_path / "r.json"
+    P.append_run(path, {"results": [1]}, prov)
+    P.append_run(path, {"results": [2]}, prov)
+    runs = P.read_runs(path)
+    assert [r["results"] for r in runs] == [[1], [2]] and runs[0]["provenance"]["n"] == 100
+    assert json.loads(path.read_text())["format"] == P.FORMAT
+
+
+def test_stale_when_the_code_changes(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "axis").mkdir(parents=True)
+    (src / "axis" / "m.py").write_text("x = 1\n")
+    monkeypatch.setattr(P, "SRC", src)
+    path = tmp_path / "r.json"
+    P.append_run(path, {"v": 1}, P.Recorder(code=("axis",)).finish())
+    assert P.load_artifact(path, "cmd").status == "current"
+    (src / "axis" / "m.py").write_text("x = 2\n")
+    art = P.load_artifact(path, "cmd")
+    assert art.status == "stale" and "axis" in art.reason and art.command == "cmd"
+
+
+def test_stale_without_provenance_missing_without_file_and_bad_files_refused(tmp_path):
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"results": []}))
+    assert P.load_artifact(old, "cmd").status == "stale"
+    assert P.load_artifact(tmp_path / "none.json", "cmd").status == "missing"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(InputFileError, match="make reproduce"):
+        P.read_runs(bad)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "something-else/9"}))
+    with pytest.raises(InputFileError, match="expected"):
+        P.load_artifact(other, "cmd")
+
+
+def test_model_digest_ignores_cards_and_results(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"w")
+    (tmp_path / "config.json").write_text("{}")
+    d = P.model_digest(tmp_path)
+    (tmp_path / "README.md").write_text("card")
+    (tmp_path / "depth_eval.json").write_text("{}")
+    assert P.model_digest(tmp_path) == d
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    assert P.model_digest(tmp_path) != d
