@@ -8,7 +8,7 @@ OUT ?= report
 # pure modules (no torch): mypy --strict
 PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py radix.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py) src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/transfer/lowrank.py
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench reproduce clean
 
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
@@ -35,6 +35,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
+
+# regenerate every committed result the report reads (not the weights); resumable, prints an estimate first
+reproduce: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/kvstate lab reproduce
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache

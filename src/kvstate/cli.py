@@ -189,6 +189,7 @@ def _register_model_commands() -> None:
     app.add_typer(__import__("kvstate.lab.depth.cli", fromlist=["app"]).app, name="depth")
     app.add_typer(__import__("kvstate.lab.semantic.cli", fromlist=["app"]).app, name="semantic")
     app.add_typer(__import__("kvstate.lab.transfer.cli", fromlist=["app"]).app, name="transfer")
+    app.add_typer(__import__("kvstate.lab.cli", fromlist=["app"]).app, name="lab")
 
 
 _register_model_commands()

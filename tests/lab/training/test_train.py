@@ -115,6 +115,9 @@ def test_tiny_training_saves_a_loadable_resumable_model(tmp_path, tok):
     assert model.config.vocab_size == len(tok)
     state2 = train(cfg, tmp_path / "run2", resume=tmp_path / "run", progress=False, log=lambda s: None)
     assert state2["step"] == 6 and load_state(tmp_path / "run2")["tokens"] == 2 * state["tokens"]
+    parts = load_state(tmp_path / "run2")["commands"]  # every part recorded, for kvstate lab retrain
+    assert [(c["out"], c["resume"], c["from_step"]) for c in parts] == [
+        (str(tmp_path / "run"), None, 0), (str(tmp_path / "run2"), str(tmp_path / "run"), 3)]
     assert (tmp_path / "run" / "optimizer.safetensors").is_file() and not list(tmp_path.rglob("*.pt"))  # no pickle
     restart = TrainConfig(arch="attn", num_layers=1, max_steps=1, resume_length=128, **TINY)
     state3 = train(restart, tmp_path / "run3", resume=tmp_path / "run2", progress=False, log=lambda s: None)

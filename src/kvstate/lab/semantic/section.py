@@ -35,9 +35,6 @@ MAIN_BUDGET = 0.25
 DEPTH_BINS = 5
 
 
-def _load(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
-
 
 def _avg(rows: list[dict[str, Any]], method: str, budget: float | None, tasks: tuple[str, ...]) -> float | None:
     got = [r["score"] for r in rows if r["method"] == method and r["task"] in tasks
@@ -102,7 +99,8 @@ def _ppl_table(rows: list[dict[str, Any]], title: str) -> Table | None:
 
 def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
     """Tables of the run on the hybrid reference model (its attention layer compressed), if committed."""
-    run = _load(models_dir / "ref-hybrid-sekv" / "eval.json")
+    art = load_artifact(models_dir / "ref-hybrid-sekv" / "eval.json", HYBRID_COMMAND)
+    run = art.run
     if run is None:
         return [], "", {}
     rows = [r for r in run["results"] if r["task"] != "ppl"]
@@ -127,7 +125,8 @@ def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
                           round(ms, 2), round(ms / full_ms, 2)])
     lengths = sorted({r["length"] for r in rows})
     n = {t: max(r["n"] for r in rows if r["task"] == t) for t in tasks}
-    tables = [Table(f"ref-hybrid (one attention layer of four compressed; bytes are that layer's KV), "
+    stale = "" if art.status == "current" else f" [{art.status}: {art.reason}; regenerate with `{art.command}`]"
+    tables = [Table(f"ref-hybrid{stale} (one attention layer of four compressed; bytes are that layer's KV), "
                     f"{', '.join(map(str, lengths))} tokens; avg over the tasks shown",
                     ["method", "budget", *[f"{t} (n = {n[t]} questions)" for t in tasks], "avg", "fast / full",
                      "slow / full", "ms / token", "latency / full"], lines,
@@ -144,7 +143,8 @@ def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
 def build(out_dir: Path, models_dir: Path) -> Section:
     src = models_dir / "ref-attn-sekv"
     art = load_artifact(src / "eval.json", EVAL_COMMAND)
-    main, sweep = art.run, _load(src / "eval_sweep.json")
+    sweep_art = load_artifact(src / "eval_sweep.json", SWEEP_COMMAND)
+    main, sweep = art.run, sweep_art.run
     if main is None:
         return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER,
                        intro=f"No results at {src / 'eval.json'}; run `{EVAL_COMMAND}`.",
@@ -258,8 +258,9 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                      "ms / token (its own run; kvpress: transformers 5.2 process)", "latency / full (same run)"],
                     byte_rows)]
     if len(budgets) > 1:
+        stale = "" if sweep_art.status == "current" else f" [{sweep_art.status}: {sweep_art.reason}]"
         tables.append(Table(f"Average accuracy per budget, {length} tokens (tasks named above; other budgets from "
-                            "eval_sweep.json, n = 4 items per task there)", ["budget", *[m for m in methods if m != "full"]],
+                            f"eval_sweep.json{stale})", ["budget", *[m for m in methods if m != "full"]],
                             sweep_rows))
     if ppl_table is not None:
         tables.append(ppl_table)
@@ -277,6 +278,12 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                    headline=head)
 
 
+SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.5,0.125 "
+                 "--task niah_single,niah_multikey,niah_4q --length 1024 --n 100 --seed 1000 "
+                 "--methods sekv,sentencekv,quest --json --save models/ref-attn-sekv/eval_sweep.json")
+HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv --budget 0.25 "
+                  "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 --methods full,sekv "
+                  "--json --save models/ref-hybrid-sekv/eval.json")
 EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 "
-                "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 --json "
-                "--save models/ref-attn-sekv/eval.json")
+                "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 "
+                "--methods full,sekv,sentencekv,quest,kvpress --json --save models/ref-attn-sekv/eval.json")

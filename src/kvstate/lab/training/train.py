@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -181,6 +183,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             state["init_from"] = {"dir": str(init_from), "tensors": _init_from(model, Path(init_from))}
             log(f"init_from {init_from}: copied {state['init_from']['tensors']} tensors")
     state["config"] = asdict(cfg)
+    # every part's exact command, so `kvstate lab retrain` can replay the run (see kvstate.lab.retrain)
+    state.setdefault("commands", []).append(part_record(out, resume, int(state["step"])))
     model.config.dtype = "float32"
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -271,6 +275,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
         save_run(model, tokenizer, optimizer, out, state)
         drop_partial(out)
     return state
+
+
+def part_record(out: Path, resume: str | Path | None, step: int) -> dict[str, Any]:
+    """What one training part was: its command line, output, start directory and first step."""
+    argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
+    return {"command": shlex.join(argv), "out": str(out), "resume": None if resume is None else str(resume),
+            "from_step": step, "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
 def _agreed(flag: bool, ddp: bool) -> bool:

@@ -1,0 +1,128 @@
+"""``make reproduce``: regenerate every committed result file the report reads (never the trained weights).
+
+Each job is one command that appends a run, with its provenance, to one result file
+(:mod:`kvstate.lab.provenance`). The runner is resumable: a job whose result file is already
+``current`` (its code and models unchanged since its newest run) is skipped, so an interrupted
+``make reproduce`` continues where it stopped. Before starting it prints the plan with an estimate per
+job — the wall time recorded by the file's newest run where there is one, else the job's own estimate
+measured here — and shows a progress bar over the jobs while they run (each job's own output goes to
+its log under ``runs/reproduce/``).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvstate.errors import KVStateError
+from kvstate.lab.provenance import REPO, load_artifact
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str  # short id, e.g. "depth:ref-attn-rcla"
+    artifact: str  # repository-relative result file the command appends to
+    command: str  # shell command, run from the repository root
+    estimate_s: float  # wall seconds measured here (2-core machine, one thread) when no run is recorded
+
+
+def _depth(name: str) -> Job:
+    from kvstate.lab.depth.section import EVAL_FILE, eval_command
+
+    return Job(f"depth:{name}", f"models/{name}/{EVAL_FILE}", eval_command(name), 900.0)
+
+
+def jobs() -> list[Job]:
+    """Every result file the report reads, with the command that regenerates it."""
+    from kvstate.lab.depth.section import LABELS
+    from kvstate.lab.prefix.replay_section import REPLAY_CMD, REPLAY_FILE, TREE_CMD, TREE_FILE
+    from kvstate.lab.semantic.section import EVAL_COMMAND, HYBRID_COMMAND, SWEEP_COMMAND
+    from kvstate.lab.transfer.section import CODEC
+    from kvstate.lab.transfer.section import COMMAND as TRANSFER_COMMAND
+
+    return [
+        Job("prefix:replay", f"models/ref-hybrid/{REPLAY_FILE}", REPLAY_CMD, 1500.0),
+        Job("prefix:tree-replay", f"models/ref-hybrid/{TREE_FILE}", TREE_CMD, 1800.0),
+        *(_depth(name) for name in LABELS),
+        Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 3600.0),
+        Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 3600.0),
+        Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 1800.0),
+        Job("transfer:bench", f"models/{CODEC}/bench.json", TRANSFER_COMMAND, 1800.0),
+    ]
+
+
+def _estimate(job: Job) -> tuple[str, float]:
+    art = load_artifact(REPO / job.artifact, job.command)
+    recorded = art.provenance.get("wall_seconds") if art.run is not None else None
+    return art.status, float(recorded) if isinstance(recorded, (int, float)) else job.estimate_s
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+
+
+def reproduce(only: Sequence[str] = (), *, dry_run: bool = False, force: bool = False,
+              console: Console | None = None) -> list[tuple[str, str]]:
+    """Run the stale / missing jobs (all chosen ones with ``force``); returns ``(job, outcome)`` pairs."""
+    con = console or Console(stderr=True)
+    chosen = [j for j in jobs() if not only or j.name in only or j.name.split(":")[0] in only]
+    unknown = set(only) - {j.name for j in jobs()} - {j.name.split(":")[0] for j in jobs()}
+    if unknown:
+        raise KVStateError(f"--only {', '.join(sorted(unknown))}: no such job; choose from "
+                           f"{', '.join(j.name for j in jobs())} or an axis (prefix, depth, semantic, transfer)")
+    plan = []
+    table = Table(title="make reproduce: result files the report reads")
+    for col in ("job", "result file", "status", "estimate", "action"):
+        table.add_column(col)
+    for j in chosen:
+        status, est = _estimate(j)
+        run = force or status != "current"
+        plan.append((j, run, est))
+        table.add_row(j.name, j.artifact, status, _fmt(est), "run" if run else "skip (current)")
+    con.print(table)
+    total = sum(est for _, run, est in plan if run)
+    con.print(f"estimated wall time for the jobs to run: {_fmt(total)} (resumable: a finished job is skipped "
+              "next time)")
+    if dry_run:
+        return [(j.name, "planned" if run else "current") for j, run, _ in plan]
+    logs = REPO / "runs" / "reproduce"
+    logs.mkdir(parents=True, exist_ok=True)
+    outcomes: list[tuple[str, str]] = []
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    bin_dir = str(Path(sys.executable).parent)
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f} s"),
+                  TimeElapsedColumn(), console=con) as progress:
+        bar = progress.add_task("reproduce", total=max(total, 1.0))
+        for j, run, est in plan:
+            if not run:
+                outcomes.append((j.name, "current"))
+                continue
+            progress.update(bar, description=f"{j.name}")
+            log = logs / f"{j.name.replace(':', '_')}.log"
+            t0 = time.perf_counter()
+            with log.open("w") as f:
+                cmd = j.command.replace("python ", f"{shlex.quote(sys.executable)} ", 1) \
+                    if j.command.split()[0] in ("python", "OMP_NUM_THREADS=1") else j.command
+                done = subprocess.run(cmd, shell=True, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+            outcomes.append((j.name, "done" if done.returncode == 0 else f"failed (exit {done.returncode}; see {log})"))
+            progress.update(bar, advance=est)
+            con.print(f"{j.name}: {outcomes[-1][1]} in {_fmt(time.perf_counter() - t0)}")
+    failed = [name for name, o in outcomes if o.startswith("failed")]
+    if failed:
+        raise KVStateError(f"make reproduce: {', '.join(failed)} failed; see runs/reproduce/*.log, fix, and run "
+                           "make reproduce again (finished jobs are skipped)")
+    return outcomes
+
+
+__all__ = ["Job", "jobs", "reproduce"]

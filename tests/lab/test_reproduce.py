@@ -1,0 +1,51 @@
+"""make reproduce covers every result file the report reads; retrain replays recorded parts into scratch only."""
+
+import json
+
+import pytest
+
+from kvstate.errors import KVStateError
+from kvstate.lab import reproduce as R
+from kvstate.lab import retrain as T
+
+
+def test_every_result_file_a_section_reads_has_a_job():
+    arts = {j.artifact for j in R.jobs()}
+    expected = {"models/ref-hybrid/prefix_replay.json", "models/ref-hybrid/prefix_tree_replay.json",
+                "models/ref-attn-sekv/eval.json", "models/ref-attn-sekv/eval_sweep.json",
+                "models/ref-hybrid-sekv/eval.json", "models/codec-ref-attn-ft/bench.json",
+                *(f"models/{m}/depth_eval.json" for m in ("ref-attn", "ref-attn-norouting", "ref-attn-cla2",
+                                                           "ref-attn-rcla", "ref-attn-rcla075"))}
+    assert arts == expected
+    for j in R.jobs():  # each command appends to the file it is the job of, on test seeds
+        assert j.artifact in j.command and ("--seed 1000" in j.command or "prefix_replay.py" in j.command)
+
+
+def test_dry_run_plans_without_running(capsys):
+    out = R.reproduce(["depth"], dry_run=True)
+    assert [name for name, _ in out] == [j.name for j in R.jobs() if j.name.startswith("depth:")]
+    assert all(o in ("planned", "current") for _, o in out)
+    with pytest.raises(KVStateError, match="no such job"):
+        R.reproduce(["nope"], dry_run=True)
+
+
+def _state(d, commands, step=100):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "training_state.json").write_text(json.dumps({"step": step, "seconds": 60.0, "commands": commands}))
+
+
+def test_retrain_replays_into_scratch_and_refuses_unrecorded_runs(tmp_path):
+    cmds = [{"command": "kvstate train --arch attn --out runs/a --minutes 5", "out": "runs/a", "resume": None,
+             "from_step": 0},
+            {"command": "kvstate train --arch attn --out runs/a2 --resume runs/a --minutes 5", "out": "runs/a2",
+             "resume": "runs/a", "from_step": 50}]
+    _state(tmp_path / "m", cmds)
+    parts = T.plan(tmp_path / "m", scratch=tmp_path / "scratch")
+    assert [p.from_step for p in parts] == [0, 50]
+    assert all("runs/a" not in p.replay.split() and str(tmp_path / "scratch") in p.replay for p in parts)
+    _state(tmp_path / "old", [])
+    with pytest.raises(KVStateError, match="before training commands were recorded"):
+        T.plan(tmp_path / "old")
+    _state(tmp_path / "mid", [{**cmds[1], "resume": "runs/a2"}])
+    with pytest.raises(KVStateError, match="not recorded"):
+        T.plan(tmp_path / "mid")
