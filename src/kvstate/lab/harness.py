@@ -2,7 +2,7 @@
 
 For each ``(task, length)`` it generates ``n`` held-out examples (:func:`kvstate.lab.workloads.tasks.generate`),
 prefills the prompt in one forward call into a fresh cache from the policy's factory, greedily decodes
-the answer token by token with explicit ``position_ids`` (batch size 1), and scores it with RULER's
+the answer token by token (:func:`kvstate.lab.decode.greedy_decode`, batch size 1), and scores it with RULER's
 metric (:func:`kvstate.lab.scoring.score`). Every example records its score, the bytes held by the
 cache after prefill (the policy's memory), and prefill / decode wall time. Needle tasks spread their
 examples' depths evenly over [0, 1] by default so the depth x length breakdown (:meth:`EvalResult.depth_grid`) covers
@@ -15,7 +15,6 @@ that need attention masks with padding (there is none at batch size 1).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError, ModelLoadError
+from kvstate.lab.decode import DecodeResult, forward_at, greedy_decode
+from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import score
 from kvstate.lab.workloads.tasks import DEPTH_TASKS, TASKS, Example, generate, min_length
 
@@ -203,29 +204,15 @@ def default_cache(model: Any) -> Any:
 
 @torch.inference_mode()
 def greedy_answer(model: Any, tokenizer: Any, prompt: str, cache: Any,
-                  max_new_tokens: int) -> tuple[str, int, float, float, int]:
-    """(decoded continuation, prompt tokens, prefill s, decode s, cache bytes after prefill) at batch 1."""
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]], dtype=torch.long)  # (1, T) with <bos>
-    t = ids.shape[1]
+                  max_new_tokens: int) -> tuple[str, int, float, DecodeResult, int]:
+    """(decoded continuation, prompt tokens, prefill s, the decode, cache bytes after prefill) at batch 1."""
+    ids = tokenizer(prompt)["input_ids"]  # with <bos>
     t0 = time.perf_counter()
-    out = model(input_ids=ids, position_ids=torch.arange(t)[None], cache=cache, use_cache=True)
+    logits = forward_at(model, cache, ids, 0)[-1]  # (V,)
     prefill_s = time.perf_counter() - t0
     nbytes = cache_nbytes(cache)
-    t0 = time.perf_counter()
-    new: list[int] = []
-    nxt = int(out.logits[0, -1].argmax())
-    eos = tokenizer.eos_token_id
-    while True:
-        if nxt == eos:
-            break
-        new.append(nxt)
-        if len(new) >= max_new_tokens:
-            break
-        pos = torch.tensor([[t + len(new) - 1]])
-        out = model(input_ids=torch.tensor([[nxt]]), position_ids=pos, cache=cache, use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
-    decode_s = time.perf_counter() - t0
-    return tokenizer.decode(new, skip_special_tokens=True), t, prefill_s, decode_s, nbytes
+    res = greedy_decode(model, cache, len(ids), max_new_tokens, tokenizer.eos_token_id, logits=logits)
+    return tokenizer.decode(res.tokens, skip_special_tokens=True), len(ids), prefill_s, res, nbytes
 
 
 def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequence[int], n: int, seed: int,
@@ -265,9 +252,9 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
                                                    depths=needle_depths if task in DEPTH_TASKS else None)
                 for i, ex in enumerate(examples):
                     budget = max_new_tokens or len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
-                    pred, t, pre_s, dec_s, nbytes = greedy_answer(model, tokenizer, ex.prompt, factory(model), budget)
+                    pred, t, pre_s, dec, nbytes = greedy_answer(model, tokenizer, ex.prompt, factory(model), budget)
                     result.examples.append(ExampleResult(task, length, i, ex.depth, t, pred, score(ex, pred), nbytes,
-                                                         pre_s, dec_s, len(tokenizer(pred, add_special_tokens=False)["input_ids"])))
+                                                         pre_s, dec.decode_s, len(dec.tokens)))
                     bar.update(1)
     finally:
         bar.close()
@@ -278,13 +265,8 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
 @torch.inference_mode()
 def perplexity(model: Any, tokenizer: Any, length: int, n: int, seed: int) -> float:
     """Perplexity of ``model`` on ``n`` held-out ``text`` examples of ``length`` tokens (full forward)."""
-    nll, count = 0.0, 0
-    for ex in generate("text", length, n, seed, tokenizer):
-        ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)  # (1, T)
-        logits = model(input_ids=ids, use_cache=False).logits.float()  # (1, T, V)
-        nll += float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum"))
-        count += ids.shape[1] - 1
-    return math.exp(nll / count)
+    return pooled_perplexity(continuation_nll(model, tokenizer(ex.prompt)["input_ids"])
+                             for ex in generate("text", length, n, seed, tokenizer))
 
 
 def load_reference(model_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:

@@ -2,9 +2,9 @@
 
 Every method sees the same generated items (:mod:`kvstate.lab.semantic.protocol`): the context is
 prefilled and compressed without the question, each question is fed afterwards to a copy of the
-compressed cache and its answer decoded greedily, then scored with RULER's metric. The budget is the
-fast-tier bytes relative to the full KV of the context, the same for every method (kvpress: its
-``compression_ratio`` = 1 - budget). In-process methods:
+compressed cache and its answer decoded greedily (:func:`kvstate.lab.decode.greedy_decode`), then
+scored with RULER's metric. The budget is the fast-tier bytes relative to the full KV of the context,
+the same for every method (kvpress: its ``compression_ratio`` = 1 - budget). In-process methods:
 
 - ``full``: ``DynamicCache``;
 - ``sekv``: :class:`SemanticCache` with the router (trained one if given);
@@ -14,8 +14,9 @@ fast-tier bytes relative to the full KV of the context, the same for every metho
 - ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.lab.semantic.quest`), labelled as such.
 
 ``ppl`` items (held-out perplexity, compress-then-continue) feed their continuation one token at a time
-to the compressed cache and score each next token; a row's ``score`` (and ``ppl``) is then
-``exp(total NLL / scored tokens)`` over its items (lower is better), not an accuracy.
+to the compressed cache and score each next token (:func:`kvstate.lab.perplexity.continuation_nll`);
+a row's ``score`` (and ``ppl``) is then ``exp(total NLL / scored tokens)`` over its items (lower is
+better), not an accuracy.
 
 kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselines_kvpress`).
 """
@@ -23,8 +24,6 @@ kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselin
 from __future__ import annotations
 
 import copy
-import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from kvstate.lab.decode import greedy_decode
+from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer
 from kvstate.lab.semantic.protocol import PPL, Item
 from kvstate.semantic.attention import semantic_attention
@@ -69,34 +70,11 @@ def score_prediction(item: Item, q: int, prediction: str) -> float:
     return METRIC_FUNCTIONS[item.metric](extract_answer(prediction), item.answers[q])
 
 
-@torch.no_grad()
-def _decode(model: Any, cache: Any, question: list[int], start: int, max_new: int, eos: int,
+def _answer(model: Any, cache: Any, question: list[int], start: int, max_new: int, eos: int,
             tokenizer: Any) -> tuple[str, float, int]:
-    out = model(input_ids=torch.tensor([question]), position_ids=torch.arange(start, start + len(question))[None],
-                cache=cache, use_cache=True)
-    nxt = int(out.logits[0, -1].argmax())
-    new: list[int] = []
-    p, steps = start + len(question), 0
-    t0 = time.perf_counter()
-    while nxt != eos and len(new) < max_new:
-        new.append(nxt)
-        if len(new) >= max_new:
-            break
-        out = model(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[p]]), cache=cache, use_cache=True)
-        p, steps = p + 1, steps + 1
-        nxt = int(out.logits[0, -1].argmax())
-    return tokenizer.decode(new, skip_special_tokens=True), time.perf_counter() - t0, steps
-
-
-@torch.no_grad()
-def _continue(model: Any, cache: Any, continuation: list[int], start: int) -> tuple[float, int, float]:
-    """Feed ``continuation[:-1]`` one token at a time; (summed NLL of ``continuation[1:]``, count, seconds)."""
-    nll, t0 = 0.0, time.perf_counter()
-    for i, tok in enumerate(continuation[:-1]):
-        out = model(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[start + i]]), cache=cache,
-                    use_cache=True)
-        nll += float(torch.nn.functional.cross_entropy(out.logits[0, -1:].float(), torch.tensor([continuation[i + 1]])))
-    return nll, len(continuation) - 1, time.perf_counter() - t0
+    """(greedy answer to ``question`` fed after a cache of ``start`` tokens, decode seconds, decode steps)."""
+    res = greedy_decode(model, cache, start, max_new, eos, input_ids=question)
+    return tokenizer.decode(res.tokens, skip_special_tokens=True), res.decode_s, res.steps
 
 
 def sentence_score(tokenizer: Any, ids: list[int]) -> np.ndarray:
@@ -144,14 +122,15 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
             fast, slow = nb["fast"], nb["slow"]
         if it.task == PPL:  # compress, then continue: no copy needed, one continuation per context
             if method == "full":
-                nll, count, dt = _continue(model, cache, it.questions[0], tc)
+                got = continuation_nll(model, it.context + it.questions[0], tc, cache, stepwise=True)
                 expanded = None
             else:
                 with semantic_attention(model):
-                    nll, count, dt = _continue(model, cache, it.questions[0], tc)
+                    got = continuation_nll(model, it.context + it.questions[0], tc, cache, stepwise=True)
                 expanded = cache.expanded_fraction() if method in ("sekv", "quest") else 0.0
-            outcomes.append(Outcome(method, budget, it.task, it.length, it.index, 0, None, math.exp(nll / count), "",
-                                    fast, slow, dt, count, expanded, nll, count))
+            outcomes.append(Outcome(method, budget, it.task, it.length, it.index, 0, None,
+                                    pooled_perplexity([got]), "", fast, slow, got.seconds, got.tokens, expanded,
+                                    got.nll, got.tokens))
             if progress is not None:
                 progress()
             continue
@@ -159,11 +138,11 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
             work = copy.deepcopy(cache, memo={id(router): router, id(model.config): model.config}) \
                 if method != "full" else copy.deepcopy(cache)
             if method == "full":
-                pred, dt, steps = _decode(model, work, q, tc, mx, eos, tokenizer)
+                pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
                 expanded = None
             else:
                 with semantic_attention(model):
-                    pred, dt, steps = _decode(model, work, q, tc, mx, eos, tokenizer)
+                    pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
                 expanded = work.expanded_fraction() if method in ("sekv", "quest") else 0.0
             outcomes.append(Outcome(method, budget, it.task, it.length, it.index, qi, it.depth,
                                     score_prediction(it, qi, pred), pred, fast, slow, dt, steps, expanded))
@@ -181,7 +160,7 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     for (method, budget, task, length), g in groups.items():
         steps = sum(o.decode_steps for o in g)
         exp = [o.expanded for o in g if o.expanded is not None]
-        ppl = math.exp(sum(o.nll for o in g) / sum(o.tokens for o in g)) if task == PPL else None
+        ppl = pooled_perplexity(TextNLL(o.nll or 0.0, o.tokens, o.decode_s) for o in g) if task == PPL else None
         rows.append({"method": method, "budget": budget, "task": task, "length": length, "n": len(g),
                      "score": round(ppl, 4) if ppl is not None else round(float(np.mean([o.score for o in g])), 4),
                      "fast_bytes": int(np.mean([o.fast_bytes for o in g])),

@@ -13,7 +13,6 @@ Ignored: the producer's own prefill time (it runs before the consumer is involve
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +23,14 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
+from kvstate.lab.decode import greedy_decode
+from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import extract_answer, f1, score
 from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
 from kvstate.transfer.codec import Codec
 from kvstate.transfer.lowrank import select_patch_layers
 from kvstate.transfer.payload import Payload
-from kvstate.transfer.states import continue_logits, model_fingerprint
+from kvstate.transfer.states import model_fingerprint
 from kvstate.transfer.store import MemoryStore
 from kvstate.transfer.transport import ProducerService, ServerThread, fetch_payload
 
@@ -91,20 +92,8 @@ def droidspeak_block(codec: Codec) -> tuple[int, int]:
 @torch.inference_mode()
 def _greedy(model: Any, eos: int, ids: torch.Tensor, cache: Any, start: int, budget: int) -> tuple[list[int], float]:
     """Greedy continuation of ``ids`` (1, T) from a cache holding ``start`` tokens; (new ids, ms to first logits)."""
-    t = ids.shape[1]
-    t0 = time.perf_counter()
-    logits = continue_logits(model, cache, ids, start)[-1]
-    first_ms = 1e3 * (time.perf_counter() - t0)
-    new: list[int] = []
-    while len(new) < budget:
-        nxt = int(logits.argmax())
-        if nxt == eos:
-            break
-        new.append(nxt)
-        out = model(input_ids=torch.tensor([[nxt]]), position_ids=torch.tensor([[t + len(new) - 1]]), cache=cache,
-                    use_cache=True)
-        logits = out.logits[0, -1]
-    return new, first_ms
+    res = greedy_decode(model, cache, start, budget, eos, input_ids=ids[0, start:])
+    return res.tokens, res.first_ms
 
 
 def _transfer(enc: Encode, dec: Decode, ids: torch.Tensor) -> tuple[Any, int, float]:
@@ -188,23 +177,19 @@ def _perplexities(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode
     """Consumer perplexity on the second half of held-out text given each method's state of the first half."""
     from kvstate.lab.workloads.tasks import generate
 
-    nll = {m: 0.0 for m in only}
-    count = 0
+    rows: dict[str, list[TextNLL]] = {m: [] for m in only}
     for ex in generate("text", cfg.ppl_length, cfg.ppl_n, cfg.seed + 1, tokenizer) if cfg.ppl_n else []:
         ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
         cut = ids.shape[1] // 2
-        target = ids[0, cut + 1:]
         for m in only:
-            if m == "oracle":
-                logits = consumer(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None]).logits[0, cut:-1]
+            if m == "oracle":  # the consumer's own forward over the whole text
+                rows[m].append(continuation_nll(consumer, ids, cut))
             else:
                 enc, dec = methods[m]
                 cache = dec(Payload.from_bytes(enc(ids[:, :cut]).to_bytes()), ids[0].tolist())
-                logits = continue_logits(consumer, cache, ids, cut)[:-1]
-            nll[m] += float(torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum"))
-        count += len(target)
+                rows[m].append(continuation_nll(consumer, ids, cut, cache))
         tick("ppl")
-    return {m: math.exp(v / count) if count else float("nan") for m, v in nll.items()}
+    return {m: pooled_perplexity(r) for m, r in rows.items()}
 
 
 def _loopback(producer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]],
