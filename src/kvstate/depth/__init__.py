@@ -22,8 +22,7 @@ from kvstate.depth.patterns import (
 )
 
 _LAZY = {"apply_sharing": "sharing", "sharing_cache": "sharing", "kv_bytes": "sharing", "layer_specs": "attention",
-         "StochasticKVRouting": "routing", "DepthTrainConfig": "training", "depth_train": "training",
-         "evaluate_sharing": "evaluate"}
+         "StochasticKVRouting": "routing"}  # training and evaluation live in the lab (kvstate.lab.depth)
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +33,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvstate.depth' has no attribute {name!r}")
 
 
-__all__ = ["DepthTrainConfig", "LayerSpec", "PatternError", "SharingPattern", "StochasticKVRouting", "apply_sharing",
-           "cla", "depth_train", "evaluate_sharing", "for_keep", "format_pattern", "keep", "kv_bytes", "layer_specs",
+__all__ = ["LayerSpec", "PatternError", "SharingPattern", "StochasticKVRouting", "apply_sharing",
+           "cla", "for_keep", "format_pattern", "keep", "kv_bytes", "layer_specs",
            "none", "parse_pattern", "sharing_cache", "top_shared"]

@@ -107,11 +107,15 @@ def test_evaluate_sharing_shape_and_measured_bytes(start):
     from kvstate.lab.depth.evaluate import evaluate_sharing
 
     res = evaluate_sharing(start, [1, 0.5, 0.25], "keep", n=1, seed=0, tasks=["niah_single"], lengths=[256],
-                           ppl_length=128)
-    assert set(res) == {"model", "results"} and [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
+                           ppl_length=128, ppl_texts=3)
+    assert set(res) == {"model", "n", "seed", "tasks", "lengths", "ppl_texts", "ppl_length", "results"}
+    assert [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
     for r in res["results"]:
-        assert set(r) == {"keep", "pattern", "ppl", "score", "kv_bytes_per_token", "decode_tok_s"}
+        assert set(r) == {"keep", "pattern", "ppl", "ppl_ci", "score", "score_ci", "kv_bytes_per_token",
+                          "peak_bytes", "decode_tok_s", "items"}
         assert r["kv_bytes_per_token"] == r["keep"] * 4 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head_dim x fp32
+        assert r["ppl_ci"][0] <= r["ppl"] <= r["ppl_ci"][1] and r["score_ci"][0] <= r["score"] <= r["score_ci"][1]
+        assert len(r["items"]) == 1 and r["peak_bytes"] > 0
     with pytest.raises(PatternError, match="not a whole number"):
         evaluate_sharing(start, [0.3], "keep", n=1)
 

@@ -19,6 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from kvstate.lab import stats
 from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row
 
@@ -72,10 +73,11 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     rows: list[HeadlineRow] = []
 
     def add(target: str, measured: str, met: bool | None, names: tuple[str, ...] = (),
-            ci: tuple[float, float] | None = None) -> None:
+            ci: tuple[float, float] | None = None, status: str = "") -> None:
         used = [arts[n] for n in names if n in arts] or list(arts.values())
         if used:
-            rows.append(artifact_row(_worst(used), TECH, target, measured, met, ci=ci))
+            rows.append(artifact_row(_worst(used), TECH, target, measured, met, ci=ci, status=status,
+                                     rate=ci is not None))
         else:
             missing = Artifact(f"models/{names[0] if names else RCLA}/{EVAL_FILE}", eval_command(names[0] if names else RCLA),
                                "missing", "file not found", None, 0)
@@ -87,8 +89,14 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
         dp = r5["ppl"] / r1["ppl"] - 1
         ds = (r1["score"] - r5["score"]) * 100
         add("R-CLA keep 0.5 within 3% ppl of keep 1.0", f"{dp:+.1%} ({r5['ppl']:.2f} vs {r1['ppl']:.2f})", dp <= 0.03, (RCLA,))
-        add("R-CLA keep 0.5 within 3 points score of keep 1.0",
-            f"{-ds:+.1f} points ({r5['score']:.3f} vs {r1['score']:.3f})", ds <= 3, (RCLA,))
+        if r1.get("items") and r5.get("items") and len(r1["items"]) == len(r5["items"]):
+            diff = stats.paired_difference(r5["items"], r1["items"])  # the same items under both patterns
+            add("R-CLA keep 0.5 within 3 points score of keep 1.0 (paired interval)",
+                f"{100 * diff.value:+.1f} points ({r5['score']:.3f} vs {r1['score']:.3f}, n = {diff.n})",
+                None, (RCLA,), ci=(diff.lo, diff.hi), status=stats.decide(diff.lo, diff.hi, -0.03))
+        else:
+            add("R-CLA keep 0.5 within 3 points score of keep 1.0",
+                f"{-ds:+.1f} points ({r5['score']:.3f} vs {r1['score']:.3f})", ds <= 3, (RCLA,))
     else:
         add("R-CLA keep 0.5 vs keep 1.0 (3% ppl, 3 points)", f"no {RCLA}/{EVAL_FILE}", None, (RCLA,))
     c1 = _at(ctl, keep=1.0) if ctl else None
