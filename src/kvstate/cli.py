@@ -116,6 +116,7 @@ def plan(
 
     if (weights is None) == (trace is None):
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
+    methods = parse_names(",".join(method), "--method", list(METHODS), example="optimal,block") if method else list(METHODS)
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
         if plot_path.suffix.lower() not in PLOT_SUFFIXES:
@@ -135,7 +136,6 @@ def plan(
     else:
         assert trace is not None
         w = overlap_weights(read_trace(trace), prefix_id)
-    methods = parse_names(",".join(method), "--method", list(METHODS), example="optimal,block") if method else list(METHODS)
     try:
         plans = {m: plan_checkpoints(w, slots, m, align) for m in methods}
     except ValueError as exc:
