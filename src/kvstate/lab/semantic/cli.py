@@ -28,7 +28,7 @@ def train_command(
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the router's initialisation and training items.")] = 0,
-    overwrite: Annotated[bool, typer.Option(help="Write into an --out directory that already holds files.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
 ) -> None:
     """Train the routing projections, zoom thresholds and rank gates on a frozen model."""
     import sys
@@ -86,7 +86,7 @@ def eval_command(
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option("--out", "--save", help="Also write the JSON to this file (atomically).")] = None,
     append: Annotated[bool, typer.Option(help="Merge into an existing --out file (same rows replaced).")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing --out file.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
     threads: Annotated[int, typer.Option(help="torch threads (also for the kvpress runner).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
