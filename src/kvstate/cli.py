@@ -8,7 +8,6 @@ exits with code 2; ``--debug`` shows the traceback instead. Anything else is a b
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from rich.table import Table
 
 from kvstate.errors import KVStateError
 from kvstate.io_safety import check_output_file
+from kvstate.lab.cli_output import print_json
+from kvstate.lab.lists import parse_names
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Manage the state an LLM carries between tokens.")
 console = Console()
@@ -61,7 +62,7 @@ def info(
 
     result = describe(load_config(model_dir), _torch_dtype(dtype))
     if as_json:
-        print(json.dumps(result.as_json()))
+        print_json(result.as_json())
         return
     kinds = result.layer_kinds
     table = Table(title=f"{model_dir} — {result.family}", show_header=False)
@@ -101,7 +102,8 @@ def plan(
     weights: Annotated[Path | None, typer.Option("--weights", help="A .npy of overlap-depth weights (length N+1).")] = None,
     trace: Annotated[Path | None, typer.Option("--trace", help="A JSONL trace (see kvstate.lab.workloads.traces).")] = None,
     prefix_id: Annotated[str | None, typer.Option("--prefix-id", help="Only this prefix's requests of the trace.")] = None,
-    method: Annotated[list[str] | None, typer.Option("--method", help="Methods to compare (default: all).")] = None,
+    method: Annotated[list[str] | None, typer.Option(
+        "--method", help="Methods to compare: a comma-separated list or repeated (default: all).")] = None,
     align: Annotated[int, typer.Option("--align", help="Checkpoints on multiples of this (chunk size).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of weights and checkpoints.")] = None,
@@ -114,6 +116,7 @@ def plan(
 
     if (weights is None) == (trace is None):
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
+    methods = parse_names(",".join(method), "--method", list(METHODS), example="optimal,block") if method else list(METHODS)
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
         if plot_path.suffix.lower() not in PLOT_SUFFIXES:
@@ -133,10 +136,6 @@ def plan(
     else:
         assert trace is not None
         w = overlap_weights(read_trace(trace), prefix_id)
-    methods = method or list(METHODS)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise KVStateError(f"--method {unknown} unknown; choose from {list(METHODS)}.")
     try:
         plans = {m: plan_checkpoints(w, slots, m, align) for m in methods}
     except ValueError as exc:
@@ -145,7 +144,7 @@ def plan(
     if plot_path is not None:
         _plot_plan(plot_path, w, plans)
     if as_json:
-        print(json.dumps({"n": len(w) - 1, "slots": slots, "align": align, "methods": rows}))
+        print_json({"n": len(w) - 1, "slots": slots, "align": align, "methods": rows})
         return
     table = Table(title=f"checkpoint placement: N={len(w) - 1}, M={slots}, align={align}")
     table.add_column("method")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -121,7 +122,7 @@ def format_pattern(pattern: SharingPattern) -> str:
 def parse_pattern(text: str) -> SharingPattern:
     """Inverse of :func:`format_pattern`; raises :class:`PatternError` on anything else."""
     parts = text.strip().split("_")
-    if not all(p.isdigit() for p in parts):
+    if not all(re.fullmatch(r"[0-9]+", p) for p in parts):  # ASCII digits: isdigit() takes "²", int() does not
         raise PatternError(f"pattern {text!r} is not of the form '0_0_2_2' (one source layer index per layer, "
                            "joined by '_')")
     return SharingPattern(tuple(int(p) for p in parts))

@@ -24,28 +24,6 @@ def _passive_openmp() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def _split(value: str, name: str) -> list[str]:
-    items = [v.strip() for v in value.split(",") if v.strip()]
-    if not items:
-        raise KVStateError(f"--{name} {value!r} is empty; pass one value or a comma-separated list")
-    return items
-
-
-def parse_lengths(value: str) -> list[int]:
-    """``"512,1K,4096"`` -> ``[512, 1024, 4096]`` (a ``K`` suffix means x1024)."""
-    out = []
-    for item in _split(value, "length"):
-        text = item.upper()
-        try:
-            if not text.removesuffix("K").isdigit():  # int() would take "1_000", "+5" and " 5"
-                raise ValueError(text)
-            out.append(int(text[:-1]) * 1024 if text.endswith("K") else int(text))
-        except ValueError:
-            raise KVStateError(f"--length {item!r} is not a token count; pass integers such as 512,1024 "
-                               "(or 1K,4K)") from None
-    return out
-
-
 def parse_overrides(items: list[str]) -> dict[str, object]:
     """``["max_length=2048", "task_mix={\"niah_single\": 1}"]`` -> TrainConfig keyword arguments."""
     from dataclasses import fields
@@ -75,7 +53,7 @@ def train_command(
     arch: Annotated[str, typer.Option("--arch", help="attn (Qwen3) or hybrid (Qwen3.5: 3 Gated DeltaNet : 1 attention).")],
     out: Annotated[Path, typer.Option("--out", help="Directory to save the model, tokenizer and training state.")],
     minutes: Annotated[float, typer.Option("--minutes", help="Wall-clock training budget of this run.")] = 30.0,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the initialisation and the data stream.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the initialisation and the data stream.")] = 0,
     resume: Annotated[Path | None, typer.Option(
         "--resume", help="Continue a run saved in this directory (an unfinished run's periodic saves: .DIR.partial).")] = None,
     init_from: Annotated[Path | None, typer.Option(
@@ -105,19 +83,20 @@ def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer (save_pretrained).")],
     task: Annotated[str, typer.Option("--task", help="Task name(s), comma-separated, e.g. niah_single,qa.")],
     length: Annotated[str, typer.Option("--length", help="Context length(s) in tokens, comma-separated, e.g. 512,1024.")],
-    n: Annotated[int, typer.Option("--n", help="Examples per task and length.")] = 20,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out examples.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="End with one JSON line of the scores.")] = False,
+    n: Annotated[int, typer.Option("--n", min=1, help="Examples per task and length.")] = 20,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the held-out examples.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
     """Score a model on synthetic tasks with greedy decoding and the full cache; prints a table."""
     _passive_openmp()
-    from rich.console import Console
     from rich.table import Table
 
+    from kvstate.lab.cli_output import print_json, table_console
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, check_tasks, load_reference, run_tasks
+    from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.models.loading import load_config
 
-    tasks, lengths = _split(task, "task"), parse_lengths(length)
+    tasks, lengths = parse_names(task, "--task", example="niah_single,qa"), parse_ints(length, "--length")
     check_tasks(tasks, lengths)  # before loading the model: bad names fail fast
     if not 1 <= n <= MAX_EXAMPLES:
         raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task and length)")
@@ -125,13 +104,13 @@ def eval_command(
         raise KVStateError(f"--seed {seed} must be >= 0")
     check_lengths_fit(load_config(model), lengths)  # the config alone: before reading the weights
     lm, tokenizer = load_reference(model)
-    result = run_tasks(lm, tokenizer, tasks, lengths, n, seed, progress=not as_json)
+    result = run_tasks(lm, tokenizer, tasks, lengths, n, seed, progress=True)
     table = Table(title=f"{model} — full cache, n={n}, seed={seed}")
     for col in ("task", "length", "n", "score", "cache KiB", "prefill ms", "decode ms"):
         table.add_column(col, justify="left" if col == "task" else "right")
     for row in result.scores():
         table.add_row(row.task, str(row.length), str(row.n), f"{row.score:.3f}", f"{row.cache_bytes / 1024:.0f}",
                       f"{row.prefill_s * 1e3:.1f}", f"{row.decode_s * 1e3:.1f}")
-    Console(stderr=as_json).print(table)
+    table_console(as_json).print(table)
     if as_json:
-        print(json.dumps(result.as_json(str(model))))
+        print_json(result.as_json(str(model)))

@@ -226,7 +226,7 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
     examples over [0, 1], a list is cycled over them, ``None`` draws one uniform depth per example.
     Deterministic in ``seed``.
     """
-    from tqdm.auto import tqdm
+    from kvstate.lab.progress import progress_bar
 
     check_tasks(tasks, lengths)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_EXAMPLES:
@@ -244,7 +244,7 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
     was_training = model.training
     model.eval()
     result = EvalResult()
-    bar = tqdm(total=len(tasks) * len(lengths) * n, disable=not progress, desc="eval", unit="ex")
+    bar = progress_bar("eval", len(tasks) * len(lengths) * n, enabled=progress, unit="ex")
     try:
         for task in tasks:
             for length in lengths:
@@ -255,7 +255,7 @@ def run_tasks(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequenc
                     pred, t, pre_s, dec, nbytes = greedy_answer(model, tokenizer, ex.prompt, factory(model), budget)
                     result.examples.append(ExampleResult(task, length, i, ex.depth, t, pred, score(ex, pred), nbytes,
                                                          pre_s, dec.decode_s, len(dec.tokens)))
-                    bar.update(1)
+                    bar.advance()
     finally:
         bar.close()
         model.train(was_training)

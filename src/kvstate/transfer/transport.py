@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import struct
 import threading
 import time
@@ -187,7 +188,7 @@ class ServerThread:
 
 def parse_address(server: str) -> tuple[str, int]:
     host, sep, port = server.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or re.fullmatch(r"[0-9]+", port) is None or not 0 < int(port) < 65536:
         raise TransportError(f"--server {server!r} must be HOST:PORT, e.g. 127.0.0.1:7070")
     return host, int(port)
 

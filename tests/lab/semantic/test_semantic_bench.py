@@ -91,7 +91,7 @@ def test_cli_rejects_bad_inputs(tmp_path):
     from kvstate.cli import app
 
     r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--task", "nope"])
-    assert r.exit_code != 0 and isinstance(r.exception, KVStateError) and "unknown task" in str(r.exception)
+    assert r.exit_code != 0 and isinstance(r.exception, KVStateError) and "--task 'nope' is unknown" in str(r.exception)
     r = CliRunner().invoke(app, ["semantic", "eval", "--model", "models/ref-attn", "--budget", "1.5"])
     assert isinstance(r.exception, KVStateError) and "--budget" in str(r.exception)
 

@@ -132,7 +132,7 @@ def test_format_parse_round_trip_and_bad_strings():
         p = SharingPattern(sources)
         assert parse_pattern(format_pattern(p)) == p
     assert format_pattern(cla(LAYOUTS["uniform4"], 2)) == "0_0_2_2"
-    for bad in ("0-0-2-2", "0__2", "a_b", "", "0_-1"):
+    for bad in ("0-0-2-2", "0__2", "a_b", "", "0_-1", "0_²", "0_١", "0_+1"):  # ASCII digits only
         with pytest.raises(PatternError):
             parse_pattern(bad)
 

@@ -87,8 +87,9 @@ def test_unreachable_server_and_bad_address_raise() -> None:
         port = s.getsockname()[1]  # bound, never listening
     with pytest.raises(TransportError, match="cannot reach"):
         fetch_payload(f"127.0.0.1:{port}", [1, 2], timeout=2)
-    with pytest.raises(TransportError, match="HOST:PORT"):
-        fetch_payload("nowhere", [1, 2])
+    for bad in ("nowhere", "localhost:²", "localhost:+80"):  # "²".isdigit() is True, int("²") raises
+        with pytest.raises(TransportError, match="HOST:PORT"):
+            fetch_payload(bad, [1, 2])
 
 
 def _free_port() -> int:

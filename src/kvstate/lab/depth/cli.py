@@ -14,8 +14,6 @@ from typing import Annotated
 
 import typer
 
-from kvstate.errors import KVStateError
-
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Cross-layer KV sharing: train with stochastic KV routing (R-CLA), evaluate patterns.")
 
@@ -30,10 +28,12 @@ def train_command(
     minutes: Annotated[float | None, typer.Option("--minutes", help="Wall-clock budget of this run.")] = None,
     tokens: Annotated[int | None, typer.Option("--tokens", help="Token budget (same batches for every run).")] = None,
     length: Annotated[int, typer.Option("--length", help="Tokens per training row.")] = 1024,
-    seed: Annotated[int, typer.Option("--seed", help="Routing seed (DDP rank r uses seed + r).")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Routing seed (DDP rank r uses seed + r).")] = 0,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the depth run saved in --out.")] = False,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a TrainConfig field, e.g. --set lr=0.0005 (JSON values).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out directory that already holds files (replaced whole when the run ends).")] = False,
 ) -> None:
     """Continue training a reference model with stochastic KV routing; under torchrun, DDP over gloo."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -50,7 +50,8 @@ def train_command(
 
         dist.init_process_group("gloo")
     try:
-        state = depth_train(model, out, cfg, resume=resume, overrides=extra, progress=True, log=lambda s: None)
+        state = depth_train(model, out, cfg, resume=resume, overrides=extra, progress=True, log=lambda s: None,
+                            overwrite=overwrite)
     finally:
         if distributed:
             dist.destroy_process_group()
@@ -64,51 +65,41 @@ def train_command(
                         f"routing {state['depth']['pattern'] or 'p=' + str(state['depth']['p'])}")
 
 
-def _floats(value: str) -> list[float]:
-    try:
-        out = [float(v) for v in value.split(",") if v.strip()]
-    except ValueError:
-        raise KVStateError(f"--keep {value!r}: pass fractions such as 1,0.75,0.5,0.25") from None
-    if not out:
-        raise KVStateError(f"--keep {value!r} is empty; pass fractions such as 1,0.75,0.5,0.25")
-    return out
-
-
 @app.command("eval")
 def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer.")],
-    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions, comma-separated.")] = "1,0.75,0.5,0.25",
+    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated.")] = "1,0.75,0.5,0.25",
     pattern_kind: Annotated[str, typer.Option("--pattern-kind", help="keep, cla or top_shared.")] = "keep",
-    n: Annotated[int, typer.Option("--n", help="Examples per task and length.")] = 10,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out examples.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="End with one JSON line of the results.")] = False,
+    n: Annotated[int, typer.Option("--n", min=1, help="Examples per task and length.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the held-out examples.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file (e.g. DIR/depth_eval.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
     """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from rich.console import Console
     from rich.table import Table
 
+    from kvstate.io_safety import write_text_atomic
+    from kvstate.lab.cli_output import check_out_file, print_json, table_console
     from kvstate.lab.depth.evaluate import evaluate_sharing
+    from kvstate.lab.lists import parse_floats
 
-    if n < 1 or seed < 0:
-        raise KVStateError(f"--n {n} must be >= 1 and --seed {seed} >= 0")
-    result = evaluate_sharing(model, _floats(keep), pattern_kind, n=n, seed=seed, progress=not as_json)
+    fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
+    if out is not None:
+        check_out_file(out, overwrite=overwrite)
+    result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True)
     table = Table(title=f"{model} — {pattern_kind} patterns, n={n}, seed={seed}")
     for col in ("keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
                       f"{r['kv_bytes_per_token']:,}", f"{r['decode_tok_s']:.1f}")
-    Console(stderr=as_json).print(table)
-    line = json.dumps(result)
+    table_console(as_json).print(table)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(line + "\n")
-        tmp.replace(out)
+        write_text_atomic(out, json.dumps(result) + "\n")
     if as_json:
-        print(line)
+        print_json(result)
 
 
 @app.command("card")

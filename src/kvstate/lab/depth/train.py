@@ -67,10 +67,12 @@ def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None) -> A
 
 
 def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfig, *, resume: bool = False,
-                overrides: dict[str, Any] | None = None, progress: bool = True, log: Any = print) -> dict[str, Any]:
+                overrides: dict[str, Any] | None = None, progress: bool = True, log: Any = print,
+                overwrite: bool = False) -> dict[str, Any]:
     """Train ``model_dir`` (a ``kvstate train`` output) with routing into ``out_dir``; returns the state.
 
-    ``resume=True`` continues the run already in ``out_dir`` (same routing, budget counted afresh).
+    ``resume=True`` continues the run already in ``out_dir`` (same routing, budget counted afresh);
+    ``overwrite`` replaces an ``out_dir`` that holds other output (refused otherwise).
     """
     from kvstate.depth.patterns import parse_pattern
     from kvstate.lab.training.train import TrainConfig, load_state, train
@@ -86,7 +88,7 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     steps = math.ceil(cfg.tokens / int(fields["tokens_per_step"])) if cfg.tokens is not None else None
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
     factory = _routing_factory(cfg, pattern)
-    result = train(tcfg, out_dir, resume=start, progress=progress, log=log, context=factory)
+    result = train(tcfg, out_dir, resume=start, progress=progress, log=log, context=factory, overwrite=overwrite)
     routing = getattr(factory, "routing", None)
     counts = dict(routing.counts()) if routing is not None else {}
     if resume and prev is not None:

@@ -9,7 +9,6 @@ transformers are imported inside the commands only.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -31,14 +30,17 @@ def trace_command(
         str, typer.Option("--workload", help="quality, narrativeqa, system_prompts or chat.")
     ],
     out: Annotated[Path, typer.Option("--out", help="JSONL file to write.")],
-    n: Annotated[int, typer.Option("-n", help="Requests.")] = 200,
+    n: Annotated[int, typer.Option("--n", "-n", min=1, help="Requests.")] = 200,
     scale: Annotated[float, typer.Option("--scale", help="Multiply every length (e.g. 0.125).")] = 0.125,
     vocab: Annotated[int, typer.Option("--vocab", help="Token ids are drawn from 0..vocab-1.")] = 128,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the requests.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
 ) -> None:
     """Write a seeded request trace (token ids in 0..VOCAB-1)."""
+    from kvstate.lab.cli_output import check_out_file
     from kvstate.lab.workloads.traces import generate, write_trace
 
+    check_out_file(out, overwrite=overwrite)
     try:
         reqs = generate(workload, n, seed=seed, vocab=vocab, scale=scale)
     except ValueError as exc:
@@ -53,9 +55,11 @@ def replay_command(
     trace: Annotated[Path, typer.Option("--trace", help="A JSONL trace with token ids.")],
     budget_bytes: Annotated[int, typer.Option("--budget-bytes", help="Byte budget of the store.")],
     slots: Annotated[
-        list[int], typer.Option("--slots", help="Checkpoint slots per request path (repeatable).")
+        list[str], typer.Option("--slots", help="Checkpoint slots per request path: a comma-separated list or repeated.")
     ],
-    planner: Annotated[list[str], typer.Option("--planner", help="Placement method (repeatable).")],
+    planner: Annotated[
+        list[str], typer.Option("--planner", help="Placement methods: a comma-separated list or repeated.")
+    ],
     limit: Annotated[int | None, typer.Option("--limit", help="Only the first N requests.")] = None,
     align: Annotated[
         int | None, typer.Option("--align", help="Checkpoint grid (default: chunk size).")
@@ -65,37 +69,39 @@ def replay_command(
         str, typer.Option("--placement", help="path (one plan per request path) or tree (exact DP over the radix tree).")
     ] = "path",
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the no-cache timing.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON line last.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
     """Replay a trace through the prefix cache; one row per (planner, slots)."""
-    from rich.progress import Progress
-
+    from kvstate.lab.cli_output import print_json, table_console
+    from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.lab.prefix.replay import replay
+    from kvstate.lab.progress import progress_bar
     from kvstate.lab.workloads.traces import read_trace
     from kvstate.models import load_model
     from kvstate.prefix.config import PrefixCacheConfig
 
+    slot_counts = parse_ints(",".join(slots), "--slots", lo=0, hi=2**20, example="0,2,8")
+    planners = parse_names(",".join(planner), "--planner", example="optimal,balanced")
     requests = read_trace(trace)
     if limit is not None:
         if limit < 1:
             raise KVStateError(f"--limit {limit} must be >= 1.")
         requests = requests[:limit]
     configs = [
-        PrefixCacheConfig(budget_bytes, m, p, align, policy, placement=placement) for p in planner for m in slots
+        PrefixCacheConfig(budget_bytes, m, p, align, policy, placement=placement) for p in planners for m in slot_counts
     ]
     model = load_model(model_dir)
     results = []
     base: list[float] | None = None  # the no-cache pass runs once; later rows reuse its times
-    with Progress(console=console, transient=True) as bar:
-        for cfg in configs:
-            task = bar.add_task(f"{cfg.planner} M={cfg.slots_per_entry}", total=len(requests))
+    for cfg in configs:
+        with progress_bar(f"{cfg.planner} M={cfg.slots_per_entry}", len(requests), unit="requests") as bar:
             r = replay(
                 model,
                 requests,
                 cfg,
                 no_cache_baseline=not no_baseline,
                 baseline_s=base,
-                progress=lambda k, t=task: bar.advance(t, k),
+                progress=bar.advance,
             )
             if not no_baseline and base is None:
                 base = [row["wall_s_no_cache"] for row in r.per_request]
@@ -131,10 +137,6 @@ def replay_command(
             f"{r.wall_s_no_cache:.2f}",
             f"{r.saved_r2:.3f}",
         )
-    console.print(table)
+    table_console(as_json).print(table)
     if as_json:
-        print(
-            json.dumps(
-                {"model": str(model_dir), "trace": str(trace), "results": [r.as_json() for r in results]}
-            )
-        )
+        print_json({"model": str(model_dir), "trace": str(trace), "results": [r.as_json() for r in results]})

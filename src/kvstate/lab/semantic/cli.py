@@ -18,43 +18,35 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="SEKV: resolution-adaptive semantic KV cache (train the router, compare with kvpress).")
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVStateError(f"--{name} {text!r} must be comma-separated integers, e.g. 512,1024") from None
-
-
-def _floats(text: str, name: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise KVStateError(f"--{name} {text!r} must be comma-separated numbers, e.g. 0.5,0.25") from None
-
-
 @app.command("train")
 def train_command(
     model: Annotated[Path, typer.Option(help="Base model directory (frozen).")],
     out: Annotated[Path, typer.Option(help="Where to write router.safetensors, manifest.json and README.md.")],
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 10.0,
     budget: Annotated[float, typer.Option(help="Fast-tier budget (fraction of full KV) to train at.")] = 0.25,
-    lengths: Annotated[str, typer.Option(help="Training context lengths, comma-separated.")] = "512,1024",
+    lengths: Annotated[str, typer.Option("--length", "--lengths", help="Training context lengths, comma-separated.")] = "512,1024",
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the router's initialisation and training items.")] = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
 ) -> None:
     """Train the routing projections, zoom thresholds and rank gates on a frozen model."""
+    import sys
+
     import torch
 
+    from kvstate.io_safety import check_output_dir
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.lists import parse_ints
     from kvstate.lab.semantic.card import write_card
     from kvstate.lab.semantic.train import TrainConfig, train_router
 
+    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(parse_ints(lengths, "--length")),
+                      max_steps=max_steps, seed=seed)
+    check_output_dir(out, overwrite=overwrite)
     torch.set_num_threads(threads)
-    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(_ints(lengths, "lengths")), max_steps=max_steps,
-                      seed=seed)
     base, tok = load_reference(model)
-    manifest = train_router(base, tok, out, cfg, progress=True, log=lambda line: print(line, flush=True))
+    manifest = train_router(base, tok, out, cfg, progress=True, log=lambda line: print(line, file=sys.stderr, flush=True))
     write_card(out, model, manifest)
     print(json.dumps({k: manifest[k] for k in ("steps", "minutes", "trainable_parameters", "trainable_fraction")}))
 
@@ -88,25 +80,27 @@ def eval_command(
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
     methods: Annotated[str, typer.Option(help="full, sekv, sentencekv, quest, kvpress (its default presses) or press "
                                               "class names, comma-separated.")] = "full,sekv,sentencekv,quest,kvpress",
-    n: Annotated[int, typer.Option(help="Items per task and length.")] = 4,
-    seed: Annotated[int, typer.Option()] = 0,
+    n: Annotated[int, typer.Option(min=1, help="Items per task and length.")] = 4,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items.")] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
-    save: Annotated[Path | None, typer.Option(help="Also write the JSON here (atomically).")] = None,
-    append: Annotated[bool, typer.Option(help="Merge into an existing --save file (same rows replaced).")] = False,
+    save: Annotated[Path | None, typer.Option("--out", "--save", help="Also write the JSON to this file (atomically).")] = None,
+    append: Annotated[bool, typer.Option(help="Merge into an existing --out file (same rows replaced).")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
     threads: Annotated[int, typer.Option(help="torch threads (also for the kvpress runner).")] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON line last.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
     """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines."""
     import sys
     import tempfile
 
     import torch
-    from rich.console import Console
     from rich.table import Table
-    from tqdm.auto import tqdm
 
+    from kvstate.lab.cli_output import check_out_file, notes_console, print_json, table_console
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.lists import parse_floats, parse_ints, parse_names
+    from kvstate.lab.progress import progress_bar
     from kvstate.lab.report.html import atomic_write_text
     from kvstate.lab.semantic import baselines_kvpress as kp
     from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, summarise
@@ -115,22 +109,19 @@ def eval_command(
     from kvstate.semantic.router import RouterConfig, SemanticRouter
     from kvstate.semantic.segment import SegmentConfig
 
-    console = Console(stderr=True)
+    console = notes_console()
     torch.set_num_threads(threads)
-    budgets, lengths = _floats(budget, "budget"), _ints(length, "length")
-    tasks = [t.strip() for t in task.split(",") if t.strip()]
-    for t in tasks:
-        if t not in (*TASKS, MULTI_Q, PPL) or t == "text":
-            raise KVStateError(f"unknown task {t!r}; choose from "
-                               f"{', '.join([*(x for x in TASKS if x != 'text'), MULTI_Q, PPL])}")
-    for b in budgets:
-        if not 0 < b <= 1:
-            raise KVStateError(f"--budget {b} must be in (0, 1]")
-    chosen = [m.strip() for m in methods.split(",") if m.strip()]
+    budgets = parse_floats(budget, "--budget", lo=0.0, lo_open=True, hi=1.0, example="0.5,0.25,0.125")
+    lengths = parse_ints(length, "--length", example="1024,2K")
+    tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL], example="niah_single,ppl")
+    chosen = parse_names(methods, "--methods", example="full,sekv,kvpress")
     presses = [p for m in chosen for p in (kp.DEFAULT_PRESSES if m == "kvpress" else (m,) if m.endswith("Press") else ())]
     unknown = [m for m in chosen if m not in IN_PROCESS and m != "kvpress" and not m.endswith("Press")]
     if unknown:
-        raise KVStateError(f"unknown method(s) {unknown}; choose from {', '.join(IN_PROCESS)}, kvpress or press class names")
+        raise KVStateError(f"--methods: unknown method(s) {unknown}; choose from {', '.join(IN_PROCESS)}, kvpress or "
+                           "press class names, e.g. --methods full,sekv,SnapKVPress")
+    if save is not None:
+        check_out_file(save, overwrite=overwrite or append)
     base, tok = load_reference(model)
     rdir = router if router is not None else default_router_dir(model)
     if (rdir / "router.safetensors").is_file():
@@ -147,10 +138,9 @@ def eval_command(
     outcomes = []
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
-    bar = tqdm(total=len(runs) * len(items), desc="semantic eval", unit="item", file=sys.stderr)
-    for m, b in runs:
-        outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=lambda: bar.update(1))
-    bar.close()
+    with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
+        for m, b in runs:
+            outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=bar.advance)
     kv_info: dict = {"presses": presses, "not_run": kp.NOT_RUN}
     press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
     if presses and len(press_items) < len(items):
@@ -177,8 +167,8 @@ def eval_command(
         table.add_row(r["method"], str(r["budget"]), r["task"], str(r["length"]), str(r["n"]), f"{r['score']:.3f}",
                       f"{r['fast_bytes']:,}", f"{r['slow_bytes']:,}", f"{r['decode_ms_per_token']:.2f}",
                       "" if r["expanded_fraction"] is None else f"{r['expanded_fraction']:.2f}")
-    console.print(table)
-    text = json.dumps(result)
+    table_console(as_json).print(table)
+    printed = result
     if save is not None:
         if append and save.is_file():
             result = merge_results(json.loads(save.read_text()), result)
@@ -188,4 +178,4 @@ def eval_command(
 
             write_card(save.parent, model)
     if as_json:
-        print(text)
+        print_json(printed)

@@ -173,7 +173,7 @@ def _causal(tc: int, t: int) -> torch.Tensor:
 def train_router(model: Any, tokenizer: Any, out_dir: Path, cfg: TrainConfig, progress: bool = True,
                  log: Any = None) -> dict[str, Any]:
     """Train a router for ``model`` (frozen) and save it to ``out_dir``; returns the manifest."""
-    from tqdm.auto import tqdm
+    from kvstate.lab.progress import progress_bar
 
     torch.manual_seed(cfg.seed)
     for p in model.parameters():
@@ -186,19 +186,19 @@ def train_router(model: Any, tokenizer: Any, out_dir: Path, cfg: TrainConfig, pr
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
     step = 0
-    bar = tqdm(disable=not progress, desc="sekv train", unit="step")
+    bar = progress_bar("sekv train", cfg.max_steps, enabled=progress, unit="steps")
     window: list[dict[str, float]] = []
     while (time.perf_counter() - t0) / 60 < cfg.minutes and (cfg.max_steps is None or step < cfg.max_steps):
         stats = train_step(model, router, tokenizer, cfg, step, opt)
         window.append(stats)
         step += 1
-        bar.update(1)
+        bar.advance()
         if step % 10 == 0 or (cfg.max_steps is not None and step == cfg.max_steps):
             row = {k: float(np.mean([w[k] for w in window])) for k in window[0]}
             row.update(step=step, minutes=round((time.perf_counter() - t0) / 60, 2))
             history.append(row)
             window = []
-            bar.set_postfix(loss=f"{row['loss']:.3f}", agree=f"{row['agree']:.2f}")
+            bar.note(f"loss={row['loss']:.3f} agree={row['agree']:.2f}")
             if log is not None:
                 log(json.dumps(row))
     bar.close()

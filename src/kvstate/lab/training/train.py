@@ -154,8 +154,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     gradient or weight stops the run with :class:`TrainError` and saves nothing. ``context(model)`` wraps
     the loop (hooks on the model, e.g. routing).
     """
-    from tqdm.auto import tqdm
-
+    from kvstate.lab.progress import progress_bar
     from kvstate.models.loading import load_model
 
     out = Path(out_dir)
@@ -205,7 +204,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
     scope = context(model) if context is not None else nullcontext()
     with scope:
-        bar = tqdm(total=round(budget), unit="s", disable=not progress, mininterval=10, desc=f"train {cfg.arch}")
+        bar = progress_bar(f"train {cfg.arch}", round(budget), enabled=progress, unit="s")
         step = step0
         while True:
             elapsed = time.monotonic() - t_start
@@ -239,7 +238,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             step += 1
             state["tokens"] += int(ids.numel()) * world
             now = time.monotonic()
-            bar.update(round(now - t_start) - bar.n)
+            bar.set(round(now - t_start))
             em = {t: sum(w) / len(w) for t, w in windows.items() if w}
             ft = {t: sum(w) / len(w) for t, w in first_windows.items() if w}
             metric = ft if cfg.advance_metric == "first_token" else em
@@ -252,7 +251,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
                          "first_token": {t: round(v, 3) for t, v in ft.items()}}
                 state["curve"].append(point)
                 losses = []
-                bar.set_postfix(len=length, loss=point["loss"], single=em.get("niah_single"), mk=em.get("niah_multikey"))
+                bar.note(f"len={length} loss={point['loss']} single={em.get('niah_single')} mk={em.get('niah_multikey')}")
                 log(json.dumps(point))
             patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
             if _agreed(length < cfg.max_length and full and (min(gate) >= cfg.advance_at or patience), ddp):

@@ -8,6 +8,7 @@ the commands.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -33,7 +34,7 @@ def _threads(n: int) -> None:
 def _patch(value: str) -> int | None:
     if value == "auto":
         return None
-    if not value.isdigit():
+    if re.fullmatch(r"[0-9]+", value) is None:  # ASCII digits: isdigit() takes "²", which int() refuses
         raise KVStateError(f"--patch {value!r} must be 'auto' or a layer count k >= 0")
     return int(value)
 
@@ -52,26 +53,28 @@ def calibrate_command(
     bits: Annotated[int, typer.Option("--bits", help="Code precision on the wire: 8, 4, 16 or 32.")] = 8,
     reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'regress' (producer -> consumer) or "
                                            "'pca' (the producer's principal subspace).")] = "regress",
-    seed: Annotated[int, typer.Option("--seed", help="Calibration data stream.")] = 7919,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the calibration prefixes.")] = 7919,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
 ) -> None:
     """Fit REUSE maps and PATCH aligners on paired prefixes; choose the transition layers; save the codec."""
-    from tqdm.auto import tqdm
-
+    from kvstate.io_safety import check_output_dir
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.progress import progress_bar
     from kvstate.lab.transfer.prompts import calibration_prompts
     from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 
     _threads(threads)
     cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
                             prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map)
+    check_output_dir(out, overwrite=overwrite)
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
     prompts = calibration_prompts(tok, cfg)
     n_hold = max(1, len(prompts) // 4)
     total = (len(prompts) - n_hold) + p.config.num_hidden_layers + n_hold
-    with tqdm(total=total, desc="calibrate", unit="step") as bar:
-        codec = calibrate_on(p, c, prompts, cfg, progress=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+    with progress_bar("calibrate", total, unit="steps") as bar:
+        codec = calibrate_on(p, c, prompts, cfg, progress=lambda s: (bar.note(s), bar.advance()))
     codec.save(out)
     info = codec.info
     table = Table(title=f"codec {out}: patch layers {list(codec.config.patch_layers)}")
@@ -137,6 +140,7 @@ def generate_command(
     """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
     from dataclasses import asdict
 
+    from kvstate.lab.cli_output import print_json
     from kvstate.lab.harness import load_reference
     from kvstate.transfer.codec import Codec
     from kvstate.transfer.serving import consumer_generate
@@ -148,7 +152,7 @@ def generate_command(
     model, tok = load_reference(consumer)
     gen = consumer_generate(model, tok, codec, server, prompt, max_new_tokens, timeout)
     if as_json:
-        print(json.dumps(asdict(gen)))
+        print_json(asdict(gen))
         return
     console.print(gen.text)
     console.print(f"[dim]{gen.prompt_tokens} prompt tokens, payload {gen.payload_bytes:,} B "
@@ -161,38 +165,40 @@ def bench_command(
     producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
     consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")] = Path("models/ref-attn-ft"),
     codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
-    n: Annotated[int, typer.Option("--n", help="Examples per needle task and length.")] = 10,
-    seed: Annotated[int, typer.Option("--seed", help="Evaluation seed.")] = 0,
-    lengths: Annotated[str, typer.Option("--length", help="Comma-separated context lengths.")] = "1024,2048",
+    n: Annotated[int, typer.Option("--n", min=1, help="Examples per needle task and length.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the evaluation items.")] = 0,
+    lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated.")] = "1024,2048",
     ppl_n: Annotated[int, typer.Option("--ppl-n", help="Held-out text examples for perplexity.")] = 4,
     weak_n: Annotated[int, typer.Option("--weak-n", help="Examples per weak task (vt, fwe, cwe, qa).")] = 3,
     ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the PATCH-budget ablation (0: skip).")] = 3,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON as the last line.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
 ) -> None:
     """oracle / raw / kv4bit / droidspeak / reuse / scd on the same prompts: quality, bytes, TTFT."""
-    from tqdm.auto import tqdm
-
-    from kvstate.lab.cli_models import parse_lengths
+    from kvstate.lab.cli_output import check_out_file, print_json, table_console
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.lists import parse_ints
+    from kvstate.lab.progress import progress_bar
     from kvstate.lab.report.html import atomic_write_text
     from kvstate.lab.transfer.bench import BenchConfig, run_bench
     from kvstate.transfer.codec import Codec
 
     _threads(threads)
-    cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_lengths(lengths)), ppl_n=ppl_n, weak_n=weak_n,
-                      ablation_n=ablation_n)
+    cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", example="1024,2K")), ppl_n=ppl_n,
+                      weak_n=weak_n, ablation_n=ablation_n)
+    if out is not None:
+        check_out_file(out, overwrite=overwrite)
     codec = Codec.load(codec_dir)
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
     L = codec.geometry.n_layers
     total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + \
         ((L + 1) * (1 + ppl_n) + 4 if ablation_n else 0)
-    with tqdm(total=total, desc="bench", unit="ex") as bar:
-        result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.set_postfix_str(s), bar.update(1)))
+    with progress_bar("bench", total, unit="ex") as bar:
+        result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()))
     result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir))
-    line = json.dumps(result)
     if out is not None:
         atomic_write_text(out, json.dumps(result, indent=1) + "\n")
     table = Table(title=f"transfer bench: {producer} -> {consumer}, n={n}, lengths {lengths}")
@@ -203,9 +209,9 @@ def bench_command(
         table.add_row(r["method"], f"{r['score']:.3f}", f"{r['f1']:.3f}", f"{r['ppl']:.3f}",
                       f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}",
                       *(f"{r['ttft_ms'][b]:.1f}" for b in ("1", "10", "100")), f"{r['loopback_ms']:.1f}")
-    console.print(table)
+    table_console(as_json).print(table)
     if as_json:
-        print(line)
+        print_json(result)
 
 
 @app.command("card")
