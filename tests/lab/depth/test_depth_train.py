@@ -143,9 +143,19 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
                                for i, (k, p) in enumerate([(1, "0_1_2_3"), (0.5, "0_0_2_2")])]
     files = {"ref-attn-rcla": rows([10.0, 10.2], [0.5, 0.49]), "ref-attn-norouting": rows([9.9, 30.0], [0.6, 0.1]),
              "ref-attn-cla2": rows([20.0, 10.1], [0.1, 0.5]), "ref-attn": rows([9.8, 50.0], [0.6, 0.0])}
-    for name, res in files.items():
+    from kvstate.lab.depth.cli import EVAL_CODE
+    from kvstate.lab.provenance import Recorder, append_run
+
+    for name, res in files.items():  # files from before provenance was recorded: every row is stale
         (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
         (tmp_path / "models" / name / "depth_eval.json").write_text(json.dumps({"model": name, "results": res}))
+    stale = build(tmp_path, tmp_path / "models")
+    assert {h.status for h in stale.headline} == {"stale"} and all(h.source == "artifact" for h in stale.headline)
+    for name, res in files.items():  # the same numbers written by kvstate depth eval --out (with provenance)
+        path = tmp_path / "models" / name / "depth_eval.json"
+        path.unlink()
+        append_run(path, {"model": name, "results": res},
+                   Recorder(code=EVAL_CODE, models=[tmp_path / "models" / name]).finish())
     text = card_text(run)
     assert "p = 0.5" in text and "| 0.5 | `0_0_2_2` | 10.200 |" in text
     section = build(tmp_path, tmp_path / "models")

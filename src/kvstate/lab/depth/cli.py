@@ -7,7 +7,6 @@ A typer sub-app registered by ``cli.py``. ``train`` wraps :func:`kvstate.lab.dep
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -65,6 +64,11 @@ def train_command(
                         f"routing {state['depth']['pattern'] or 'p=' + str(state['depth']['p'])}")
 
 
+# the source a depth evaluation depends on: a change here makes committed depth_eval.json files stale
+EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
+             "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
+
+
 @app.command("eval")
 def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer.")],
@@ -73,21 +77,24 @@ def eval_command(
     n: Annotated[int, typer.Option("--n", min=1, help="Examples per task and length.")] = 10,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the held-out examples.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file (e.g. DIR/depth_eval.json).")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Append this run, with its provenance, to a result file (e.g. DIR/depth_eval.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
 ) -> None:
     """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.table import Table
 
-    from kvstate.io_safety import write_text_atomic
-    from kvstate.lab.cli_output import check_out_file, print_json, table_console
-    from kvstate.lab.depth.evaluate import evaluate_sharing
+    from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
+    from kvstate.lab.depth.evaluate import SCORE_LENGTHS, SCORE_TASKS, evaluate_sharing
     from kvstate.lab.lists import parse_floats
+    from kvstate.lab.provenance import Recorder
 
     fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
     if out is not None:
-        check_out_file(out, overwrite=overwrite)
+        check_results_out(out, overwrite=overwrite)
+    rec = Recorder(code=EVAL_CODE, models=[model], n=n, seeds=[seed], tasks=SCORE_TASKS, lengths=SCORE_LENGTHS,
+                   settings={"keep": fractions, "pattern_kind": pattern_kind})
     result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True)
     table = Table(title=f"{model} — {pattern_kind} patterns, n={n}, seed={seed}")
     for col in ("keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"):
@@ -96,10 +103,11 @@ def eval_command(
         table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
                       f"{r['kv_bytes_per_token']:,}", f"{r['decode_tok_s']:.1f}")
     table_console(as_json).print(table)
+    prov = rec.finish()
     if out is not None:
-        write_text_atomic(out, json.dumps(result) + "\n")
+        write_results(out, result, prov, overwrite=overwrite)
     if as_json:
-        print_json(result)
+        print_json({**result, "provenance": prov})
 
 
 @app.command("card")
