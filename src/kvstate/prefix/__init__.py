@@ -5,7 +5,8 @@
 - tree placement (pure): one slot budget over a prefix tree (beyond the paper);
 - store (pure bookkeeping, one radix tree with shared KV, one transaction per request) +
   :class:`SparsePrefixCache` (torch glue, configured by :class:`PrefixCacheConfig`): dense attention KV +
-  sparse recurrent checkpoints under one byte budget, exact resume.
+  sparse recurrent checkpoints under one byte budget, exact resume; :func:`chat_boundaries` (torch glue)
+  derives the boundaries a request declares from the model's chat template.
 """
 
 from importlib import import_module
@@ -41,6 +42,7 @@ __all__ = [
     "StoreMetrics",
     "TreePoint",
     "Txn",
+    "chat_boundaries",
     "expected_recompute",
     "plan_checkpoints",
     "plan_independent",
@@ -56,4 +58,6 @@ def __getattr__(name: str) -> Any:
     # torch glue loads on first use, so the pure modules (and ``kvstate plan``) import without torch
     if name in ("PrefillResult", "SparsePrefixCache"):
         return getattr(import_module("kvstate.prefix.engine"), name)
+    if name == "chat_boundaries":
+        return import_module("kvstate.prefix.chat").chat_boundaries
     raise AttributeError(f"module 'kvstate.prefix' has no attribute {name!r}")

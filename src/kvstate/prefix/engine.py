@@ -15,6 +15,7 @@ passes run outside it, so requests on several threads overlap (what they use is 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,13 @@ class PrefillResult:
     attention_mask: (
         torch.Tensor
     )  # (1, T) all ones: pass it to generate so its positions agree with the cache's
+
+
+def held_nbytes(payload: Any) -> int:
+    """Bytes a stored payload holds, in its real dtype: a recurrent state (``CacheSnapshot``) or a logits row."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    return int(payload.nbytes)
 
 
 class SparsePrefixCache:
@@ -103,6 +111,7 @@ class SparsePrefixCache:
             ),
             planner=self._plan,
             splitter=split_segment,
+            sizer=held_nbytes,
         )
         self._lock = threading.Lock()
 
@@ -151,26 +160,36 @@ class SparsePrefixCache:
         return build_cache(self.model.config, self._kinds, list(txn.kv), txn.state, length, self._device)
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        boundaries: Sequence[int] | None = None,
+    ) -> PrefillResult:
         """Serve one prompt. ``attention_mask`` may be given but must be all ones (a batch of one, no padding):
-        the cache is built with positions ``0..T-1``, which is what ``generate`` uses for an all-ones mask."""
+        the cache is built with positions ``0..T-1``, which is what ``generate`` uses for an all-ones mask.
+
+        ``boundaries``: positions (strictly increasing, in ``1..T``) where later requests are expected to
+        part from this one — the end of a document or of each chat message (:func:`chat_boundaries`). The
+        state there is captured in this same pass while it pays off (it competes with the planned positions
+        for ``slots_per_entry``; ``docs/techniques.md#position``), so the next request sharing the prefix up
+        to a boundary resumes from it."""
         input_ids, tokens = self._tokens(input_ids, attention_mask)
         n = len(tokens)
         ones = torch.ones_like(input_ids)
         with self._lock:
-            txn = self.store.begin(tokens)
+            txn = self.store.begin(tokens, boundaries=() if boundaries is None else boundaries)
             hit, start = txn.hit, txn.hit.position
             try:
                 if hit.full:  # nothing to compute or insert: the stored logits and end state
                     logits = txn.logits.to(self._device, copy=True)
-                    return PrefillResult(logits, self._restore(txn, n - 1), n, 0, 0, 0, ones)
+                    served = PrefillResult(logits, self._restore(txn, n - 1), n, 0, 0, 0, ones)
+                    self.store.commit(txn, {}, None)  # learns from the request and counts it
+                    return served
                 cache: ResumableCache | None = self._restore(txn, start) if start else None
             except BaseException:
-                self.store.abort(txn)
+                self.store.abort(txn)  # a no-op once committed
                 raise
-            finally:
-                if hit.full:
-                    self.store.abort(txn)  # idempotent
         try:
             rec = self.store.config.has_recurrent
             cuts = sorted(set(txn.capture) | ({n - 1} if rec and n - 1 > start else set()))

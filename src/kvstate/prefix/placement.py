@@ -267,6 +267,44 @@ def _backtrack(f: FloatArray, args: Sequence[npt.NDArray[np.int32]], cand: IntAr
     return sorted(out)
 
 
+def plan_among(weights: npt.ArrayLike, candidates: Iterable[int], slots: int) -> list[int]:
+    """The best at most ``slots`` of the given ``candidates`` (positions in ``1..N``) under the same
+    objective, exactly: the savings DP of :func:`plan_checkpoints` over the candidates only, ``O(K^2 M)``
+    for ``K`` candidates (meant for a few dozen: a planner's positions plus declared ones). A candidate
+    is taken only when it lowers the expected recompute."""
+    w = _weights(weights)
+    n = w.size - 1
+    cand = _positions(candidates, n)
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
+        raise ValueError(f"slots: must be an int >= 0 (number of checkpoints to keep), got {slots!r}")
+    if slots == 0 or cand.size == 0:
+        return []
+    survival = np.cumsum(w[::-1])[::-1]  # G(t) = mass of depths >= t
+    g = np.concatenate(([0.0], cand.astype(np.float64)))  # index 0 = no checkpoint
+    x = np.concatenate(([0.0], survival[cand]))
+    k, tol = g.size, 1e-12 * max(1.0, float(n))
+    earlier = np.tril(np.ones((k, k), dtype=bool), -1)  # [j, i]: i < j, the previous checkpoint is shallower
+    f = g * x  # at most one checkpoint, the deepest at j (savings form of the module docstring)
+    ptr: list[npt.NDArray[np.int64]] = []  # per added layer: previous checkpoint of j, or -1 (fewer suffice)
+    for _ in range(2, min(int(slots), cand.size) + 1):
+        gain = np.where(earlier, f[None, :] + (g[:, None] - g[None, :]) * x[:, None], -np.inf)
+        arg = np.argmax(gain, axis=1)
+        take = gain[np.arange(k), arg] > f + tol  # a checkpoint more must pay off
+        if not take.any():
+            break
+        f = np.where(take, gain[np.arange(k), arg], f)
+        ptr.append(np.where(take, arg, -1))
+    j = int(np.flatnonzero(f >= f.max() - tol)[0])  # the shallowest best set (deeper ones add nothing)
+    out: list[int] = []
+    for arg in reversed(ptr):
+        if j > 0 and arg[j] >= 0:
+            out.append(int(cand[j - 1]))
+            j = int(arg[j])
+    if j > 0:
+        out.append(int(cand[j - 1]))
+    return sorted(out)
+
+
 def plan_quadratic_dp(weights: npt.ArrayLike, slots: int, align: int = 1) -> list[int]:
     """Reference ``O(N^2 M)`` DP in the paper's cost form (for benchmarks and tests, not for serving).
 

@@ -8,44 +8,84 @@ absolute positions on nodes. Tensors are opaque payloads; the engine supplies th
 
 A request is one transaction (SGLang: ``match_prefix → insert / lock_ref / evict``):
 
-- :meth:`PrefixStore.begin` matches the request, records its true overlap depth (the longest common
+- :meth:`PrefixStore.begin` matches the request, measures its true overlap depth (the longest common
   prefix with the tree, usable checkpoint or not), pins the matched path, plans checkpoints on the
-  request's path from what was observed there (before the forward pass), and returns where to resume
-  and which positions to capture in this pass;
+  request's path from what was observed there — its own overlap included — and from the boundaries it
+  declares, and returns where to resume and which positions to capture in this pass. It changes nothing
+  but the pin: what the request teaches (its overlap, the LRU clocks of what it used, tree-plan stamps)
+  rides in the transaction;
 - :meth:`PrefixStore.commit` inserts the new suffix's KV, the captured states and the last logits,
-  charges bytes (each tensor once) and evicts unpinned leaves or single states (LRU or utility) to stay
-  within the budget — whole or nothing: when the request cannot fit, the store is left as it was;
-  :meth:`PrefixStore.abort` just unpins.
+  charges bytes (each payload once, what it really holds when the store has a ``sizer``), evicts unpinned
+  leaves or single states (LRU or utility) to stay within the budget, and applies what the request
+  teaches — whole or nothing: when the request cannot fit, the store (tree, counts, clocks) is left as it
+  was and only the metrics count a served request and a rejected insert; a full hit commits with nothing
+  to insert; :meth:`PrefixStore.abort` (the request was not served) just unpins.
 
 Invariants: only leaves are evicted, so every state's KV prefix exists; a state at the end of a
 request's path (depth ``L-1``: what a full hit restores) never takes a planner slot; the planner never
-places at ``L-1`` or ``L``. Overlap observations are counts (no decay). Not thread-safe: the engine
-locks around each verb.
+places at ``L-1`` or ``L``; a commit counts and trims states only on the part of the path it shares (a
+state deeper on the node where it leaves the tree belongs to another branch). Overlap observations are
+counts (no decay). Not thread-safe: the engine locks around each verb. After a run of
+``NO_REUSE_WARN_AFTER`` served requests that overlapped the store by at least ``max(align,
+DRY_MIN_OVERLAP)`` tokens but reused nothing (requests with less overlap neither extend nor break the
+run), the ``kvstate.prefix`` logger warns once.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from kvstate.errors import BudgetError
+import numpy as np
+
+from kvstate.errors import BudgetError, KVStateError
+from kvstate.prefix import tree_plan
 from kvstate.prefix.store_eviction import TreeEviction
-from kvstate.prefix.store_learning import OverlapLearning
+from kvstate.prefix.store_learning import OverlapLearning, Undo
 from kvstate.prefix.store_types import (
     Hit,
     KVSource,
     Node,
     Planner,
+    Sizer,
     Splitter,
     State,
     StoreConfig,
     StoreMetrics,
     Txn,
 )
+from kvstate.prefix.tree_plan import Stamp
 
-__all__ = ["Hit", "KVSource", "Node", "Planner", "PrefixStore", "Splitter", "State", "StoreConfig", "StoreMetrics",
-           "Txn"]
+log = logging.getLogger("kvstate.prefix")
+NO_REUSE_WARN_AFTER = 32  # served requests in a row with an overlap and no reuse before the one warning
+DRY_MIN_OVERLAP = 16  # overlap (tokens, and at least one `align` step) that such a request must have had
+
+__all__ = ["Hit", "KVSource", "Node", "Planner", "PrefixStore", "Sizer", "Splitter", "State", "StoreConfig",
+           "StoreMetrics", "Txn", "check_boundaries"]
+
+
+def check_boundaries(boundaries: Sequence[int], n: int) -> tuple[int, ...]:
+    """Declared boundaries of a request of ``n`` tokens: ints in ``1..n``, strictly increasing."""
+    got = list(boundaries)
+    fix = "pass sorted(set(b for b in boundaries if 0 < b <= len(input_ids)))"
+    bad = [b for b in got if isinstance(b, bool) or not isinstance(b, (int, np.integer))]
+    if bad:
+        raise KVStateError(f"boundaries: {bad[:5]!r} are not token positions (ints); {fix}.")
+    out = tuple(int(b) for b in got)
+    outside = [b for b in out if not 0 < b <= n]
+    if outside:
+        raise KVStateError(
+            f"boundaries: {outside[:5]} lie outside 1..{n} (a boundary b keeps the state after the first b of "
+            f"the request's {n} tokens); {fix}."
+        )
+    if any(a >= b for a, b in itertools.pairwise(out)):
+        raise KVStateError(
+            f"boundaries: {list(out[:10])} must be strictly increasing (sorted, no duplicates); {fix}."
+        )
+    return out
 
 
 def _lcp(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
@@ -66,10 +106,15 @@ def _lcp(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
 class PrefixStore(OverlapLearning, TreeEviction):
     """One radix tree of shared KV and sparse recurrent states under one byte budget (see module doc)."""
 
-    def __init__(self, config: StoreConfig, planner: Planner, splitter: Splitter | None = None) -> None:
+    def __init__(
+        self, config: StoreConfig, planner: Planner, splitter: Splitter | None = None, sizer: Sizer | None = None
+    ) -> None:
+        """``sizer``: the bytes a state or logits payload holds (None: ``config.checkpoint_bytes`` and
+        ``config.logits_bytes`` for every one — fake payloads)."""
         self.config = config
         self._planner = planner
         self._split_kv: Splitter = splitter or (lambda kv, k: (kv, kv))
+        self._sizer = sizer
         self.root = Node(0, (), 0, None)
         self._ids = itertools.count(1)
         self._txns = itertools.count(1)
@@ -79,6 +124,9 @@ class PrefixStore(OverlapLearning, TreeEviction):
         self._open: dict[int, Txn] = {}
         self._user_pins: dict[tuple[int, ...], list[Node]] = {}
         self._m: dict[str, int] = {f.name: 0 for f in fields(StoreMetrics)}
+        self._version = 0  # successful commits: a tree-plan stamp applies only to the tree it was made on
+        self._dry = 0  # served requests in a row that overlapped the store but reused nothing
+        self._warned = False
 
     # -- queries ---------------------------------------------------------------------------------
     def metrics(self) -> StoreMetrics:
@@ -155,24 +203,32 @@ class PrefixStore(OverlapLearning, TreeEviction):
         return Hit(pos, t, limit - pos, False)
 
     # -- the transaction -------------------------------------------------------------------------
-    def begin(self, tokens: tuple[int, ...], serving: bool = True) -> Txn:
-        """Match, record the overlap, pin, plan; see the module docstring. ``serving=False`` (an insert of
-        already computed state) records no observation and counts no request."""
+    def begin(self, tokens: tuple[int, ...], serving: bool = True, boundaries: Sequence[int] = ()) -> Txn:
+        """Match, pin, plan; see the module docstring. Nothing is learned here: what the request teaches
+        (its overlap, the clocks it touches, tree-plan stamps) is applied by :meth:`commit`. ``serving=False``
+        (an insert of already computed state) records no observation and counts no request.
+        ``boundaries``: positions the caller expects later requests to part at (see ``_with_boundaries``)."""
         if not tokens:
             raise ValueError("tokens: a request needs at least one token.")
-        self._clock += 1
         n = len(tokens)
+        declared = check_boundaries(boundaries, n)
         path, t = self._walk(tokens)
-        if serving:
-            self._observe(path, t, n)
         hit = self._hit(path, t, n)
         plan: list[int] = []
-        replanned = False
+        taken: tuple[int, ...] = ()
+        stamps: tuple[Stamp, ...] | None = None
         if self.config.has_recurrent and self.config.slots_per_entry > 0 and n > 2:
-            if self.config.placement == "tree":
-                plan, replanned = self._tree_plan(path, t, n)
-            else:
-                plan = [p for p in self._planner(self._path_weights(path, t, n), n) if 0 < p < n - 1]
+            undo = self._observe(path, t, n) if serving else None  # the plan sees this request's own overlap
+            try:
+                if self.config.placement == "tree":
+                    plan, stamps = self._tree_plan(path, t, n)
+                else:
+                    weights = self._path_weights(path, t, n, declared)
+                    plan = [p for p in self._planner(weights, n) if 0 < p < n - 1]
+                plan, taken = self._with_boundaries(plan, declared, path, t, n)
+            finally:
+                if undo is not None:
+                    undo()
         capture: set[int] = set()
         if not hit.full:
             for p in plan:
@@ -191,10 +247,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
         if self.config.has_recurrent and upto > 0:
             st = self._find_state(path, upto)
             assert st is not None, "a hit position always has a state"
-            st.last_access = self._clock
             state = st.payload
-        for v in path:
-            v.last_access = self._clock
         pinned = path[-1] if path else None
         if pinned is not None:
             pinned.pins += 1
@@ -208,21 +261,18 @@ class PrefixStore(OverlapLearning, TreeEviction):
             state,
             path[-1].logits[n] if hit.full else None,
             pinned,
-            replanned,
+            stamps is not None,
+            serving,
+            stamps or (),
+            self._version,
+            taken,
         )
         self._open[txn.id] = txn
-        if not serving:
-            return txn
-        m = self._m
-        m["requests"] += 1
-        m["tokens_total"] += n
-        m["hits"] += int(hit.position > 0)
-        m["tokens_reused"] += hit.position
-        m["tokens_recomputed"] += n - hit.position
-        m["tokens_lost_to_missing_checkpoint"] += hit.lost
         return txn
 
     def abort(self, txn: Txn) -> None:
+        """The request was not served (its forward pass failed): unpin; the store is left exactly as it was
+        (tree, states, overlap counts, clocks, plans and metrics). Idempotent."""
         if self._open.pop(txn.id, None) is not None and txn.pinned is not None:
             txn.pinned.pins -= 1
 
@@ -235,7 +285,9 @@ class PrefixStore(OverlapLearning, TreeEviction):
         length: int | None = None,
     ) -> bool:
         """Insert the first ``length`` tokens (default all) with KV from ``kv``, the captured ``states`` and
-        the ``logits`` after ``length`` tokens. Whole or nothing; returns False when it could not fit."""
+        the ``logits`` after ``length`` tokens; learn from the request (its overlap, LRU clocks, plan stamps)
+        and count it. Whole or nothing; returns False when it could not fit (the request is still counted
+        as served, nothing else changes). A full hit commits with nothing to insert (``{}, None``)."""
         if self._open.pop(txn.id, None) is None:
             raise ValueError(f"transaction {txn.id} is not open (committed or aborted already).")
         try:
@@ -244,6 +296,57 @@ class PrefixStore(OverlapLearning, TreeEviction):
             if txn.pinned is not None:
                 txn.pinned.pins -= 1
 
+    def _learn(self, txn: Txn, path: list[Node], length: int) -> Undo:
+        """Apply what the request teaches — its overlap (counts) and the clocks of what it used (``path``:
+        the walk of its first ``length`` tokens); returns the undo (a commit that cannot fit leaves them as
+        they were). The overlap was measured at begin; it lands on the nodes now below that depth."""
+        saved: list[tuple[Any, str, int]] = [(self, "_clock", self._clock)]
+        self._clock += 1
+        undo_obs: Undo | None = None
+        if txn.serving:
+            seen = txn.hit.overlap
+            opath = path if length == len(txn.tokens) else self._walk(txn.tokens)[0]
+            undo_obs = self._observe([v for v in opath if v.top < seen], seen, len(txn.tokens))
+        used = self._find_state(path, txn.hit.position) if txn.hit.position else None
+        touched: list[State | Node] = [*([used] if used is not None else []), *path]
+        for x in touched:
+            saved.append((x, "last_access", x.last_access))
+            x.last_access = self._clock
+
+        def undo() -> None:
+            if undo_obs is not None:
+                undo_obs()
+            for obj, name, old in reversed(saved):
+                setattr(obj, name, old)
+
+        return undo
+
+    def _count(self, txn: Txn) -> None:
+        """Count a served request (stored or not) and watch for overlaps that never pay off."""
+        if not txn.serving:
+            return
+        m, hit, n = self._m, txn.hit, len(txn.tokens)
+        m["requests"] += 1
+        m["tokens_total"] += n
+        m["hits"] += int(hit.position > 0)
+        m["tokens_reused"] += hit.position
+        m["tokens_recomputed"] += n - hit.position
+        m["tokens_lost_to_missing_checkpoint"] += hit.lost
+        if hit.position > 0:
+            self._dry = 0
+        elif hit.overlap >= max(self.config.align, DRY_MIN_OVERLAP):
+            # a shorter overlap (a shared BOS token) says nothing about reuse, nor does none at all
+            self._dry += 1
+            if self._dry == NO_REUSE_WARN_AFTER and not self._warned:
+                self._warned = True
+                log.warning(
+                    "prefix cache: %d requests in a row overlapped the store but reused nothing (%d tokens "
+                    "lost to missing checkpoints so far); declare where requests part "
+                    "(prefill(..., boundaries=...), chat_boundaries), or raise slots_per_entry or lower align.",
+                    NO_REUSE_WARN_AFTER,
+                    m["tokens_lost_to_missing_checkpoint"],
+                )
+
     def _commit(
         self, txn: Txn, states: dict[int, Any], kv: KVSource | None, logits: Any, length: int
     ) -> bool:
@@ -251,16 +354,27 @@ class PrefixStore(OverlapLearning, TreeEviction):
         tokens = txn.tokens[:length]
         if length < 1 or length > len(txn.tokens):
             raise ValueError(f"length={length} must be in 1..{len(txn.tokens)}.")
-        if c.has_attention and kv is None and length > 0:
-            raise ValueError("kv: an attention model's commit needs the KV of the new tokens.")
         path, t = self._walk(tokens)
+        if c.has_attention and kv is None and length > t:
+            raise ValueError("kv: an attention model's commit needs the KV of the new tokens.")
+        self._count(txn)
+        if txn.hit.full and t == length and not states and logits is None:  # nothing to insert
+            self._learn(txn, path, length)
+            self._stamp(txn)
+            self._version += 1
+            return True
         ends = {length - 1, length} if length > 1 else {length}
         new_states = {p: s for p, s in states.items() if 0 < p <= length and c.has_recurrent}
         new_states = {p: s for p, s in new_states.items() if p > t or self._find_state(path, p) is None}
         add_logits = logits is not None and not (t == length and bool(path) and length in path[-1].logits)
-        # slots: at most `slots_per_entry` planned (non-end) states on this path; unplanned ones go first (LRU)
+        undo = self._learn(txn, path, length)  # before choosing victims: the utility policy reads the counts
+        # slots: at most `slots_per_entry` planned (non-end) states on the part of the path this request
+        # shares (depths <= t; states deeper on the last node belong to another branch); unplanned go first
         existing = [
-            p for v in path for p, s in v.states.items() if p <= length and not s.end and p not in ends
+            p
+            for v in path
+            for p, s in v.states.items()
+            if p <= min(t, length) and not s.end and p not in ends
         ]
         over = len(existing) + len([p for p in new_states if p not in ends]) - c.slots_per_entry
         unplanned = sorted(
@@ -272,18 +386,21 @@ class PrefixStore(OverlapLearning, TreeEviction):
             planned_here = len(existing) - len(unplanned) + len(keep) + len(new_states.keys() - ends)
             over = len(existing) + len(new_states.keys() - ends) - max(c.slots_per_entry, planned_here)
             trim = [p for p in unplanned if p not in keep][: max(over, 0)]
-        base = ((length - t) * c.kv_bytes_per_token if c.has_attention else 0) + (
-            c.logits_bytes if add_logits else 0
-        )
+        sizes = {p: self._sizeof(x, c.checkpoint_bytes) for p, x in new_states.items()}
+        logits_size = self._sizeof(logits, c.logits_bytes) if add_logits else 0
+        base = ((length - t) * c.kv_bytes_per_token if c.has_attention else 0) + logits_size
         protect = {id(v) for v in path}
-        victims = self._choose_victims(base + c.checkpoint_bytes * (len(new_states) - len(trim)), protect)
+        freed = sum(self._state_bytes(path, p) for p in trim)
+        victims = self._choose_victims(base + sum(sizes.values()) - freed, protect)
         if victims is None:  # retry keeping only the end state
             trim = []
             new_states = {p: s for p, s in new_states.items() if p in ends}
-            victims = self._choose_victims(base + c.checkpoint_bytes * len(new_states), protect)
+            victims = self._choose_victims(base + sum(sizes[p] for p in new_states), protect)
         if victims is None:
+            undo()
             self._m["rejected_inserts"] += 1
             return False
+        self._stamp(txn)
         for p in trim:
             self._drop_state(path, p)
         self._evict(victims)
@@ -296,15 +413,29 @@ class PrefixStore(OverlapLearning, TreeEviction):
             v = next(u for u in path if u.top < p <= u.depth)
             if p in v.states:
                 continue
-            v.states[p] = State(payload, self._clock, end=p in ends)
-            self._m["bytes_end_states" if p in ends else "bytes_checkpoints"] += c.checkpoint_bytes
+            v.states[p] = State(payload, self._clock, end=p in ends, nbytes=sizes[p])
+            self._m["bytes_end_states" if p in ends else "bytes_checkpoints"] += sizes[p]
         if add_logits and leaf is not None and length not in leaf.logits:
             leaf.logits[length] = logits
-            self._m["bytes_logits"] += c.logits_bytes
+            leaf.logits_nbytes[length] = logits_size
+            self._m["bytes_logits"] += logits_size
         for v in path:
             v.last_access = self._clock
         self._m["peak_bytes"] = max(self._m["peak_bytes"], self.used_bytes)
+        self._version += 1
         return True
+
+    def _stamp(self, txn: Txn) -> None:
+        """Tree placement: apply the request's re-plan, unless other commits changed the tree since."""
+        if txn.stamps and txn.version == self._version:
+            tree_plan.stamp(txn.stamps)
+
+    def _sizeof(self, payload: Any, default: int) -> int:
+        return default if self._sizer is None else int(self._sizer(payload))
+
+    def _state_bytes(self, path: list[Node], p: int) -> int:
+        s = self._find_state(path, p)
+        return s.nbytes if s is not None else 0
 
     def _state_clock(self, path: list[Node], p: int) -> int:
         s = self._find_state(path, p)
@@ -314,7 +445,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
         for v in path:
             if p in v.states and v.top < p <= v.depth:
                 s = v.states.pop(p)
-                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= self.config.checkpoint_bytes
+                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
                 return
 
     def _insert_path(self, tokens: tuple[int, ...], kv: KVSource | None) -> Node | None:
@@ -346,7 +477,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
         mid = Node(next(self._ids), child.edge[:k], cut, parent, upper_kv)
         mid.last_access = child.last_access
         mid.sub_mass = child.sub_mass
-        for name in ("states", "logits", "mass"):
+        for name in ("states", "logits", "logits_nbytes", "mass"):
             src = getattr(child, name)
             setattr(mid, name, {p: x for p, x in src.items() if p <= cut})
             setattr(child, name, {p: x for p, x in src.items() if p > cut})

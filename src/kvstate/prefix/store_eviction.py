@@ -31,7 +31,6 @@ class TreeEviction:
         return all(id(u) in gone for u in v.children.values())
 
     def _units(self, protect: set[int]) -> list[tuple[Unit, Node]]:
-        c = self.config
         out = []
         nodes = self.nodes()
         held: set[int] = set()  # pinned nodes and their ancestors keep their states too
@@ -45,7 +44,7 @@ class TreeEviction:
                 if id(v) in held:
                     continue
                 saved = float(p - v.top) * max(v.sub_mass, 0.0)
-                out.append((Unit(v.id, p, c.checkpoint_bytes, s.last_access, saved), v))
+                out.append((Unit(v.id, p, s.nbytes, s.last_access, saved), v))
             if id(v) not in protect and v.pins == 0 and not v.children:
                 out.append(
                     (Unit(v.id, None, self._node_bytes(v), v.last_access, len(v.edge) * v.sub_mass), v)
@@ -55,7 +54,7 @@ class TreeEviction:
     def _node_bytes(self, v: Node) -> int:
         c = self.config
         kv = len(v.edge) * c.kv_bytes_per_token if c.has_attention else 0
-        return kv + len(v.states) * c.checkpoint_bytes + len(v.logits) * c.logits_bytes
+        return kv + sum(s.nbytes for s in v.states.values()) + sum(v.logits_nbytes.values())
 
     def _choose_victims(self, need: int, protect: set[int]) -> list[tuple[Unit, Node]] | None:
         """Units to evict so that ``need`` more bytes fit (no mutation), or None when they cannot."""
@@ -68,7 +67,7 @@ class TreeEviction:
         )
         by_unit = {id(u): v for u, v in units}
         gone: set[int] = set()  # nodes evicted whole
-        dropped: set[tuple[int, int]] = set()
+        dropped: dict[int, int] = {}  # node id → bytes of its states chosen one by one
         chosen: list[tuple[Unit, Node]] = []
         freed = 0
         queue = list(order)
@@ -80,9 +79,7 @@ class TreeEviction:
             if id(v) in gone:
                 continue
             if u.position is None:
-                nbytes = self._node_bytes(v) - sum(
-                    self.config.checkpoint_bytes for (nid, _) in dropped if nid == v.id
-                )
+                nbytes = self._node_bytes(v) - dropped.get(v.id, 0)
                 gone.add(id(v))
                 chosen.append((u, v))
                 freed += nbytes
@@ -93,7 +90,7 @@ class TreeEviction:
                     by_unit[id(pu)] = par
                     queue.insert(i, pu)
             else:
-                dropped.add((v.id, u.position))
+                dropped[v.id] = dropped.get(v.id, 0) + u.nbytes
                 chosen.append((u, v))
                 freed += u.nbytes
         return chosen if freed >= over else None
@@ -104,7 +101,7 @@ class TreeEviction:
                 self._remove_leaf(v)
             elif u.position in v.states and (v.parent is not None):
                 s = v.states.pop(u.position)
-                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= self.config.checkpoint_bytes
+                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
                 self._m["evicted_states"] += 1
         self._prune_empty()
 
@@ -115,8 +112,8 @@ class TreeEviction:
         for u in [v, *self._below(v)]:
             self._m["bytes_kv"] -= len(u.edge) * c.kv_bytes_per_token if c.has_attention else 0
             for s in u.states.values():
-                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= c.checkpoint_bytes
-            self._m["bytes_logits"] -= len(u.logits) * c.logits_bytes
+                self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
+            self._m["bytes_logits"] -= sum(u.logits_nbytes.values())
         del v.parent.children[v.edge[0]]
         anc: Node | None = v.parent
         while anc is not None:

@@ -16,12 +16,13 @@ import numpy.typing as npt
 
 from kvstate.errors import BudgetError
 from kvstate.prefix.eviction import Policy
-from kvstate.prefix.tree_plan import TreeLimits
+from kvstate.prefix.tree_plan import Stamp, TreeLimits
 
 FloatArray = npt.NDArray[np.float64]
 Planner = Callable[[FloatArray, int], list[int]]  # (weights over depths 0..n, n) → positions in 1..n
 Splitter = Callable[[Any, int], tuple[Any, Any]]  # (KV payload of an edge, k) → (first k tokens, the rest)
 KVSource = Callable[[int, int], Any]  # (start, end) absolute → KV payload of those tokens
+Sizer = Callable[[Any], int]  # a stored state's or logits row's payload → the bytes it holds
 
 
 @dataclass(eq=False)
@@ -29,6 +30,7 @@ class State:
     payload: Any  # opaque recurrent state after ``position`` tokens
     last_access: int
     end: bool  # stored at a request's end (restored by full hits): never takes a planner slot
+    nbytes: int  # bytes the payload holds, charged to the budget (measured once, on insert)
 
 
 @dataclass(eq=False)
@@ -43,6 +45,7 @@ class Node:
     logits: dict[int, Any] = field(
         default_factory=dict
     )  # absolute depth in (top, depth] → last-position logits
+    logits_nbytes: dict[int, int] = field(default_factory=dict)  # the same depths → bytes those logits hold
     mass: dict[int, float] = field(default_factory=dict)  # observed overlaps ending at depth in (top, depth]
     sub_mass: float = 0.0  # mass on this node and below
     pins: int = 0  # in-flight transactions and user pins
@@ -76,18 +79,24 @@ class Txn:
     logits: Any  # stored logits for a full hit (else None)
     pinned: Node | None
     replanned: bool = False  # tree placement: this request re-planned its subtree
+    # what the request teaches the store, applied by commit only (abort and a rejected commit leave the
+    # overlap counts, clocks and plan stamps as they were):
+    serving: bool = True  # a served request: its overlap (``hit.overlap``) is observed and it is counted
+    stamps: tuple[Stamp, ...] = ()  # tree placement: the plan stamps of its re-plan
+    version: int = 0  # the store's commit count at begin (stamps apply only to the tree they were made on)
+    boundaries: tuple[int, ...] = ()  # the declared boundaries that took a slot (a subset of ``plan``)
 
 
 @dataclass(frozen=True)
 class StoreMetrics:
     """An immutable snapshot of the store's counters (``PrefixStore.metrics()``)."""
 
-    requests: int = 0
+    requests: int = 0  # served requests, counted on commit (stored or rejected); an aborted one is not
     hits: int = 0
     tokens_total: int = 0  # prompt tokens of every request
     tokens_reused: int = 0  # restored instead of computed
     tokens_recomputed: int = 0
-    tokens_lost_to_missing_checkpoint: int = 0  # the tree held them but no state did
+    tokens_lost_to_missing_checkpoint: int = 0  # cumulative: the tree held them but no state did
     evicted_nodes: int = 0
     evicted_states: int = 0
     rejected_inserts: int = 0  # commits that could not fit and left the store unchanged
@@ -110,9 +119,11 @@ class StoreMetrics:
 class StoreConfig:
     budget_bytes: int  # global byte budget over KV, states and logits
     slots_per_entry: int = 8  # planned checkpoints per request path (end states are extra)
-    checkpoint_bytes: int = 0  # bytes of one recurrent state (0: attention-only model)
+    # bytes of one recurrent state (0: attention-only model) and of one logits row: estimates for budget
+    # checks and for stores without a sizer; with a sizer the store charges what each payload holds
+    checkpoint_bytes: int = 0
     kv_bytes_per_token: int = 0  # attention KV bytes per token (0: pure SSM)
-    logits_bytes: int = 0  # bytes of one stored last-position logits row
+    logits_bytes: int = 0
     has_recurrent: bool = True
     has_attention: bool = True
     policy: Policy = Policy.LRU

@@ -228,19 +228,38 @@ def solve(built: BuiltTree) -> list[TreePoint]:
     return plan_tree(built.tree, built.slots, built.align) if built.slots else []
 
 
-def apply(built: BuiltTree, points: list[TreePoint], t: int, n: int) -> list[int]:
-    """Replace the covered nodes' plans by ``points``, stamp them, and return the request's positions."""
-    for v in built.covered:
-        v.planned = set()
-        v.plan_sub = v.sub_mass
-        v.plan_own = sum(v.mass.values())
+@dataclass(frozen=True)
+class Stamp:
+    """A covered node's new plan and the mass it was made for (applied when the request commits)."""
+
+    node: Node
+    planned: frozenset[int]  # planned checkpoint positions on the node's edge
+    plan_sub: float  # the node's sub_mass when planned
+    plan_own: float  # the node's own mass when planned
+
+
+def apply(built: BuiltTree, points: list[TreePoint], t: int, n: int) -> tuple[list[int], tuple[Stamp, ...]]:
+    """The request's positions among ``points`` and the stamps replacing the covered nodes' plans; nothing
+    is mutated (:func:`stamp` applies the stamps)."""
+    planned: dict[int, set[int]] = {id(v): set() for v in built.covered}
     mine: list[int] = []
     for tv, c in points:
         who = built.owner[tv]
         if who is not None:
-            who.planned.add(c)
+            planned.setdefault(id(who), set()).add(c)
             if tv in built.on_path and c <= t:
                 mine.append(c)
         elif tv == built.leaf:
             mine.append(c)
-    return sorted(p for p in set(mine) if 0 < p < n - 1)
+    stamps = tuple(
+        Stamp(v, frozenset(planned[id(v)]), v.sub_mass, sum(v.mass.values())) for v in built.covered
+    )
+    return sorted(p for p in set(mine) if 0 < p < n - 1), stamps
+
+
+def stamp(stamps: tuple[Stamp, ...]) -> None:
+    """Replace the stamped nodes' plans (see :func:`apply`)."""
+    for s in stamps:
+        s.node.planned = set(s.planned)
+        s.node.plan_sub = s.plan_sub
+        s.node.plan_own = s.plan_own

@@ -348,3 +348,52 @@ def test_metrics_snapshot_and_reset():
     assert (
         cache.metrics.requests == 0 and m.requests == 2 and cache.metrics.used_bytes == cache.store.used_bytes
     )
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_bf16_store_charges_the_bytes_its_tensors_hold(family):
+    """Recurrent states and logits are charged in the dtype they are held in: a bf16 hybrid whose inserted
+    states a kernel kept in bf16 (not the fp32 transformers uses), and a bf16 Mamba2 whose logits are fp32."""
+    model = get_model(family, torch.bfloat16)
+    cache = SparsePrefixCache(model, budget_bytes=64 * MiB, slots_per_entry=2, align=8)
+    doc = random_ids(40, seed=60)
+    res = cache.prefill(doc)
+    cache.prefill(torch.cat([doc[:, :30], random_ids(5, seed=61)], 1))
+    out = model.generate(doc, cache=res.cache, attention_mask=res.attention_mask, max_new_tokens=4,
+                         min_new_tokens=4, do_sample=False, pad_token_id=0)
+    for layer in res.cache.layers:  # as a kernel that keeps its recurrent state in the model's dtype would
+        if hasattr(layer, "recurrent_states") and layer.recurrent_states[0] is not None:
+            layer.recurrent_states[0] = layer.recurrent_states[0].to(torch.bfloat16)
+    assert cache.insert(out, res.cache)
+    held = [s for v in cache.store.nodes() for s in v.states.values()]
+    dtypes = {lay.recurrent.recurrent.dtype for s in held for lay in s.payload.layers if lay.recurrent is not None}
+    assert dtypes == {torch.float32, torch.bfloat16}  # both kinds are held
+    assert cache.store.used_bytes == _held_bytes(cache) == sum(cache.bytes_by_kind().values())
+
+
+def test_declared_boundary_lets_the_second_request_resume_exactly():
+    """A document declared as a boundary: the second request sharing it resumes from its end (not the third)."""
+    model = get_model("qwen3_5")
+    doc = random_ids(200, seed=62)
+    q1, q2 = torch.tensor([[101, 7, 8, 9, 10, 11]]), torch.tensor([[102, 12, 13, 14, 15]])
+    first, second = torch.cat([doc, q1], 1), torch.cat([doc, q2], 1)
+    cache = SparsePrefixCache(model, budget_bytes=64 * MiB)  # default slots; align = the chunk size (64)
+    assert cache.prefill(first, boundaries=[200]).reused_tokens == 0
+    res = cache.prefill(second, boundaries=[200])
+    assert res.reused_tokens >= 200 and res.lost_tokens == 0
+    torch.testing.assert_close(res.logits, _full(model, second), atol=1e-4, rtol=0)
+    plain = SparsePrefixCache(model, budget_bytes=64 * MiB)  # without the declaration: not yet
+    plain.prefill(first)
+    assert plain.prefill(second).reused_tokens < 200
+
+
+def test_bad_boundaries_name_the_argument_and_leave_the_store_unchanged():
+    model = get_model("qwen3_5")
+    cache = SparsePrefixCache(model, budget_bytes=MiB, align=8)
+    ids = random_ids(12, seed=63)
+    for bad in ([0, 4], [4, 13], [8, 4], [4, 4]):
+        with pytest.raises(KVStateError, match="boundaries") as err:
+            cache.prefill(ids, boundaries=bad)
+        assert "sorted(set(" in str(err.value)
+    assert cache.metrics.requests == 0 and cache.store.used_bytes == 0
+    assert cache.prefill(ids, boundaries=[4, 12]).recomputed_tokens == 12  # in range: fine

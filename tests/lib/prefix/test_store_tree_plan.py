@@ -14,7 +14,7 @@ from kvstate.prefix.eviction import Policy
 from kvstate.prefix.store import PrefixStore, StoreConfig
 from kvstate.prefix.tree_placement import tree_expected_recompute
 from kvstate.prefix.tree_plan import TreeLimits, needs_plan, solve
-from tests.lib.prefix.test_prefix_store import StoreMachine
+from tests.lib.prefix.test_prefix_store import StoreMachine, _size, _state
 
 CK, KVT, LOG = 10, 1, 2
 
@@ -27,9 +27,9 @@ def _store(slots: int, align: int, limits: TreeLimits = TreeLimits()) -> PrefixS
 def _serve(store: PrefixStore, tokens: tuple[int, ...]):
     txn = store.begin(tokens)
     if txn.hit.full:
-        store.abort(txn)
+        store.commit(txn, {}, None)
         return txn
-    store.commit(txn, {p: ("S", p) for p in txn.capture}, lambda a, b: tokens[a:b], ("L", len(tokens)))
+    store.commit(txn, {p: _state(tokens, p) for p in txn.capture}, lambda a, b: tokens[a:b], ("L", tokens))
     return txn
 
 
@@ -104,7 +104,7 @@ class TreeStoreMachine(StoreMachine):
     @rule(policy=st.sampled_from(list(Policy)), budget=st.integers(60, 200), slots=st.integers(0, 3))
     def create(self, policy, budget, slots):
         cfg = StoreConfig(budget, slots, CK, KVT, LOG, policy=policy, placement="tree", align=4)
-        self.store = PrefixStore(cfg, lambda w, n: [], splitter=lambda kv, k: (kv[:k], kv[k:]))
+        self.store = PrefixStore(cfg, lambda w, n: [], splitter=lambda kv, k: (kv[:k], kv[k:]), sizer=_size)
 
 
 TreeStoreMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
