@@ -36,7 +36,7 @@ def _store(budget: int, placement: str = "path") -> PrefixStore:
 def _serve(store: PrefixStore, tokens: tuple[int, ...]) -> None:
     txn = store.begin(tokens)
     if txn.hit.full:
-        store.abort(txn)
+        store.commit(txn, {}, None)  # a full hit is learned from and counted, as the engine does
         return
     store.commit(txn, dict.fromkeys(txn.capture), lambda a, b: None, None)
 
