@@ -170,12 +170,12 @@ def test_out_file_needs_overwrite(dirs, tmp_path):
     assert out.read_text() == "mine\n"
     res = runner.invoke(app, [*args, "--overwrite"])
     assert res.exit_code == 0 and out.read_text() != "mine\n", res.output
-    bench = tmp_path / "bench.json"
-    bench.write_text("{}")
+    bench = tmp_path / "bench.json"  # a result --out appends runs, but only to a result file
+    bench.write_text("mine, not a result file")
     res = runner.invoke(app, [*COMMANDS["transfer bench"](dirs), "--out", str(bench)])
-    assert isinstance(res.exception, OutputError) and bench.read_text() == "{}"
+    assert isinstance(res.exception, OutputError) and "not a kvstate result file" in str(res.exception)
     res = runner.invoke(app, ["depth", "eval", "--model", str(dirs["producer"]), "--keep", "1", "--out", str(bench)])
-    assert isinstance(res.exception, OutputError) and bench.read_text() == "{}"
+    assert isinstance(res.exception, OutputError) and bench.read_text() == "mine, not a result file"
     res = runner.invoke(app, ["transfer", "calibrate", "--producer", str(dirs["producer"]), "--consumer",
                               str(dirs["consumer"]), "--out", str(dirs["codec"])])
     assert isinstance(res.exception, OutputError) and "--overwrite" in str(res.exception)

@@ -146,6 +146,8 @@ def test_cli_ppl_rows(tmp_path, model_dir):
     r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(d), "--task", "ppl", "--length", "96", "--n", "1",
                                  "--methods", "full,sekv", "--budget", "0.5", "--save", str(out)])
     assert r.exit_code == 0, r.output
-    rows = {x["method"]: x for x in json.loads(out.read_text())["results"]}
+    [run] = json.loads(out.read_text())["runs"]  # one run, with where it came from
+    assert run["provenance"]["n"] == 1 and run["provenance"]["lengths"] == [96]
+    rows = {x["method"]: x for x in run["results"]}
     assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and x["tokens"] > 10 for x in rows.values())
     assert 1 < rows["full"]["ppl"] == rows["full"]["score"] and rows["sekv"]["fast_bytes"] < rows["full"]["fast_bytes"]

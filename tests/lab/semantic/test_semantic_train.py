@@ -52,10 +52,19 @@ def test_report_section_reads_results(tmp_path):
     cells = [{"method": m, "budget": b, "task": "niah_single", "length": 1024, "index": 0, "question": 0,
               "depth": 0.5, "score": s} for m, b, s in (("full", 1.0, 1.0), ("sekv", 0.25, 1.0),
                                                         ("snap_kv_press", 0.25, 0.0))]
+    from kvstate.lab.provenance import Recorder, append_run
+    from kvstate.lab.semantic.cli import EVAL_CODE
+
     (tmp_path / "ref-attn-sekv").mkdir()
-    (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps({"model": "m", "results": res + ppl, "cells": cells}))
     (tmp_path / "ref-hybrid-sekv").mkdir()
-    (tmp_path / "ref-hybrid-sekv" / "eval.json").write_text(json.dumps({"model": "h", "results": res[:2] + ppl}))
+    main = {"model": "m", "results": res + ppl, "cells": cells}
+    (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps(main))  # from before provenance: stale
+    stale = build(tmp_path, tmp_path)
+    assert stale.headline and {h.status for h in stale.headline} == {"stale"}
+    (tmp_path / "ref-attn-sekv" / "eval.json").unlink()
+    append_run(tmp_path / "ref-attn-sekv" / "eval.json", main, Recorder(code=EVAL_CODE).finish())
+    append_run(tmp_path / "ref-hybrid-sekv" / "eval.json", {"model": "h", "results": res[:2] + ppl},
+               Recorder(code=EVAL_CODE).finish())
     sec = build(tmp_path, tmp_path)
     ppl_tables = [t for t in sec.tables if "perplexity" in t.title]
     assert len(ppl_tables) == 2 and [r[6] for r in ppl_tables[0].rows] == [1.0, 1.25]  # ppl / full

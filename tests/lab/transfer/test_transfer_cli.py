@@ -64,7 +64,8 @@ def test_bench_prints_the_json_shape(pair_dirs: tuple[Path, Path], codec_dir: Pa
     assert by["scd"]["payload_bytes_per_token"] < by["raw"]["payload_bytes_per_token"]
     assert [a["k"] for a in out["ablation_patch"]] == [0, 1, 2]
     assert [(a["rank_k"], a["rank_v"]) for a in out["ablation_rank"]] == [(4, 8), (2, 8), (4, 4), (2, 4)]
-    assert json.loads((tmp_path / "b.json").read_text())["results"] == out["results"]
+    [run] = json.loads((tmp_path / "b.json").read_text())["runs"]  # appended with its provenance
+    assert run["results"] == out["results"] and run["provenance"] == out["provenance"]
 
 
 def test_bad_codec_ranks_and_patch_raise_one_clear_error(pair_dirs: tuple[Path, Path], tmp_path: Path) -> None:

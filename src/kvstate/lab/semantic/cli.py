@@ -51,24 +51,15 @@ def train_command(
     print(json.dumps({k: manifest[k] for k in ("steps", "minutes", "trainable_parameters", "trainable_fraction")}))
 
 
-def merge_results(old: dict, new: dict) -> dict:
-    """``old`` with ``new``'s rows and cells added; rows of the same (method, budget, task, length) replaced."""
-    def key(r: dict) -> tuple:
-        return (r["method"], r["budget"], r["task"], r["length"])
-
-    replaced = {key(r) for r in new["results"]}
-    merged = dict(new)
-    merged["results"] = [r for r in old["results"] if key(r) not in replaced] + new["results"]
-    merged["cells"] = [c for c in old.get("cells", []) if key(c) not in replaced] + new.get("cells", [])
-    if not new.get("kvpress", {}).get("presses"):  # this run had no presses: keep the earlier run's kvpress info
-        merged["kvpress"] = old.get("kvpress", new.get("kvpress"))
-    merged["command"] = "; ".join(x for x in (old.get("command", ""), new.get("command", "")) if x)
-    return merged
-
-
 def default_router_dir(model: Path) -> Path:
     """Where ``kvstate semantic eval`` looks for a router by default: ``<model dir>-sekv`` next to it."""
     return model.parent / f"{model.name}-sekv"
+
+
+# the source a semantic evaluation depends on: a change here makes committed eval.json files stale
+EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/quest.py",
+             "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py", "lab/decode.py",
+             "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py")
 
 
 @app.command("eval")
@@ -84,24 +75,29 @@ def eval_command(
     seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items.")] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
-    save: Annotated[Path | None, typer.Option("--out", "--save", help="Also write the JSON to this file (atomically).")] = None,
-    append: Annotated[bool, typer.Option(help="Merge into an existing --out file (same rows replaced).")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    save: Annotated[Path | None, typer.Option(
+        "--out", "--save", help="Append this run, with its provenance, to a result file (e.g. DIR/eval.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
     threads: Annotated[int, typer.Option(help="torch threads (also for the kvpress runner).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
     """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines."""
-    import sys
     import tempfile
 
     import torch
     from rich.table import Table
 
-    from kvstate.lab.cli_output import check_out_file, notes_console, print_json, table_console
+    from kvstate.lab.cli_output import (
+        check_results_out,
+        notes_console,
+        print_json,
+        table_console,
+        write_results,
+    )
     from kvstate.lab.harness import load_reference
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
-    from kvstate.lab.report.html import atomic_write_text
+    from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
     from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, summarise
     from kvstate.lab.semantic.protocol import MULTI_Q, PPL, build_items
@@ -121,7 +117,9 @@ def eval_command(
         raise KVStateError(f"--methods: unknown method(s) {unknown}; choose from {', '.join(IN_PROCESS)}, kvpress or "
                            "press class names, e.g. --methods full,sekv,SnapKVPress")
     if save is not None:
-        check_out_file(save, overwrite=overwrite or append)
+        check_results_out(save, overwrite=overwrite)
+    rec = Recorder(code=EVAL_CODE, models=[model, *([router] if router is not None else [])], n=n, seeds=[seed],
+                   tasks=tasks, lengths=lengths, settings={"budgets": budgets, "methods": chosen, "threads": threads})
     base, tok = load_reference(model)
     rdir = router if router is not None else default_router_dir(model)
     if (rdir / "router.safetensors").is_file():
@@ -158,8 +156,7 @@ def eval_command(
             console.print(f"[red]kvpress baselines not run:[/] {exc}")
             kv_info["error"] = str(exc)
     rows = summarise(outcomes)
-    result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes), "kvpress": kv_info,
-              "command": "kvstate semantic eval " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["semantic", "eval"] else sys.argv[1:])}
+    result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes), "kvpress": kv_info}
     table = Table(title="compress the context, then ask")
     for c in ("method", "budget", "task", "length", "n", "score", "fast bytes", "slow bytes", "ms/token", "expanded"):
         table.add_column(c, justify="right")
@@ -168,11 +165,10 @@ def eval_command(
                       f"{r['fast_bytes']:,}", f"{r['slow_bytes']:,}", f"{r['decode_ms_per_token']:.2f}",
                       "" if r["expanded_fraction"] is None else f"{r['expanded_fraction']:.2f}")
     table_console(as_json).print(table)
-    printed = result
+    prov = rec.finish()
+    printed = {**result, "provenance": prov}
     if save is not None:
-        if append and save.is_file():
-            result = merge_results(json.loads(save.read_text()), result)
-        atomic_write_text(save, json.dumps(result, indent=1) + "\n")
+        write_results(save, result, prov, overwrite=overwrite)
         if (save.parent / "manifest.json").is_file():
             from kvstate.lab.semantic.card import write_card
 

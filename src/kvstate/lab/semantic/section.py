@@ -280,10 +280,10 @@ def build(out_dir: Path, models_dir: Path) -> Section:
 
 SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.5,0.125 "
                  "--task niah_single,niah_multikey,niah_4q --length 1024 --n 100 --seed 1000 "
-                 "--methods sekv,sentencekv,quest --json --save models/ref-attn-sekv/eval_sweep.json")
+                 "--methods sekv,sentencekv,quest --json --out models/ref-attn-sekv/eval_sweep.json")
 HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv --budget 0.25 "
                   "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 --methods full,sekv "
                   "--json --save models/ref-hybrid-sekv/eval.json")
 EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 "
                 "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 "
-                "--methods full,sekv,sentencekv,quest,kvpress --json --save models/ref-attn-sekv/eval.json")
+                "--methods full,sekv,sentencekv,quest,kvpress --json --out models/ref-attn-sekv/eval.json")

@@ -7,7 +7,6 @@ the commands.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Annotated
@@ -160,6 +159,11 @@ def generate_command(
                   f"generate {gen.generate_ms:.1f} ms[/]")
 
 
+# the source a transfer bench depends on: a change here makes committed bench.json files stale
+BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/baselines.py", "lab/decode.py",
+              "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py")
+
+
 @app.command("bench")
 def bench_command(
     producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
@@ -171,17 +175,18 @@ def bench_command(
     ppl_n: Annotated[int, typer.Option("--ppl-n", help="Held-out text examples for perplexity.")] = 4,
     weak_n: Annotated[int, typer.Option("--weak-n", help="Examples per weak task (vt, fwe, cwe, qa).")] = 3,
     ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the PATCH-budget ablation (0: skip).")] = 3,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON to this file.")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Append this run, with its provenance, to a result file (e.g. CODEC/bench.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
 ) -> None:
     """oracle / raw / kv4bit / droidspeak / reuse / scd on the same prompts: quality, bytes, TTFT."""
-    from kvstate.lab.cli_output import check_out_file, print_json, table_console
+    from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.harness import load_reference
     from kvstate.lab.lists import parse_ints
     from kvstate.lab.progress import progress_bar
-    from kvstate.lab.report.html import atomic_write_text
+    from kvstate.lab.provenance import Recorder
     from kvstate.lab.transfer.bench import BenchConfig, run_bench
     from kvstate.transfer.codec import Codec
 
@@ -189,7 +194,9 @@ def bench_command(
     cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", example="1024,2K")), ppl_n=ppl_n,
                       weak_n=weak_n, ablation_n=ablation_n)
     if out is not None:
-        check_out_file(out, overwrite=overwrite)
+        check_results_out(out, overwrite=overwrite)
+    rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir], n=n, seeds=[seed], tasks=cfg.tasks,
+                   lengths=cfg.lengths, settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n})
     codec = Codec.load(codec_dir)
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
@@ -199,8 +206,9 @@ def bench_command(
     with progress_bar("bench", total, unit="ex") as bar:
         result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()))
     result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir))
+    prov = rec.finish()
     if out is not None:
-        atomic_write_text(out, json.dumps(result, indent=1) + "\n")
+        write_results(out, result, prov, overwrite=overwrite)
     table = Table(title=f"transfer bench: {producer} -> {consumer}, n={n}, lengths {lengths}")
     for col in ("method", "score", "F1", "ppl", "B/token", "consumer ms", *(f"TTFT@{b}G ms" for b in ("1", "10", "100")),
                 "loopback ms"):
@@ -211,7 +219,7 @@ def bench_command(
                       *(f"{r['ttft_ms'][b]:.1f}" for b in ("1", "10", "100")), f"{r['loopback_ms']:.1f}")
     table_console(as_json).print(table)
     if as_json:
-        print_json(result)
+        print_json({**result, "provenance": prov})
 
 
 @app.command("card")
