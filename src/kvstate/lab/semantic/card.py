@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvstate.lab.report.html import atomic_write_text
+from kvstate.io_safety import write_text_atomic
 
 
 def _curve(history: list[dict[str, float]], rows: int = 12) -> list[str]:
@@ -83,5 +83,5 @@ def write_card(out_dir: Path, model_dir: Path, manifest: dict[str, Any] | None =
     ev = out_dir / "eval.json"
     evaluation = json.loads(ev.read_text()) if ev.is_file() else None
     path = out_dir / "README.md"
-    atomic_write_text(path, render_card(model_dir, manifest, evaluation))
+    write_text_atomic(path, render_card(model_dir, manifest, evaluation))
     return path
