@@ -4,8 +4,10 @@ The write-to-a-temporary-sibling-then-rename technique (a ``rename`` within one 
 POSIX): a file or a whole output directory is written next to its destination under a hidden name and
 renamed over it only once complete, so an interrupted or failed run leaves the previous output
 untouched and whole. An output directory that already holds something is refused unless the caller
-passes ``overwrite``; an output that cannot be written (a path under a read-only or pseudo filesystem,
-an existing file where a directory is wanted) is found by :func:`check_output_dir` before any work.
+passes ``overwrite``, and one holding something of another kind than the output (a caller's ``accept``
+predicate: a report, a router, a codec) is never written into; an output that cannot be written (a
+path under a read-only or pseudo filesystem, an existing file where a directory is wanted) is found by
+:func:`check_output_dir` before any work.
 Written files get the permissions of an ordinary ``open`` (``0666 & ~umask``, normally 0644), not
 ``mkstemp``'s 0600. Ignored: concurrent writers to the same destination (the last one wins), and the
 short moment of a directory replacement in which the old directory is renamed aside and the new one
