@@ -1,12 +1,18 @@
-"""Detecting corrupted files: a checksum manifest for model directories and a safetensors header check.
+"""Detecting corrupted files: one checksum manifest for every directory kvstate saves, and a safetensors header check.
 
-``kvstate train`` writes ``manifest.json`` into every model directory it saves: the SHA-256 and size of
-each file it wrote (weights, config, tokenizer, training state). :func:`verify_manifest` recomputes them
-and raises :class:`~kvstate.errors.IntegrityError` naming the file that changed; ``kvstate eval`` and the
-report call it through :func:`kvstate.models.load_model`. Files added later (a model card) are not
-covered. :func:`check_safetensors_header` is the cheap check for any ``.safetensors`` file: the 8-byte
-header length, a JSON header, and tensor offsets that stay inside the file (a truncated copy fails it).
-Ignored: authenticity (a checksum detects accidents, not tampering).
+``manifest.json`` (format ``kvstate-manifest/2``) is the one schema of every directory kvstate writes:
+``{"format", "kind", "files": {name: {"sha256", "bytes"}}, ...metadata}``. ``kind`` says what the
+directory holds (``"model"``: ``kvstate train``'s weights, config, tokenizer and training state;
+``"router"``: a SEKV router; ``"codec"``: an SCD codec) and the metadata fields are the saver's own (a
+router's base-model fingerprint and config, a codec's fingerprints, ranks and geometry).
+:func:`write_manifest` records the files; :func:`read_manifest` recomputes their checksums and returns
+the manifest, raising :class:`~kvstate.errors.IntegrityError` naming the file that changed and the fix;
+``kvstate eval`` and the report call :func:`verify_manifest` through :func:`kvstate.models.load_model`.
+Files added later (a model card, evaluation results) are not covered. ``kvstate-manifest/1`` (a model
+directory's checksums only) is still read, as kind ``"model"``. :func:`check_safetensors_header` is the
+cheap check for any ``.safetensors`` file: the 8-byte header length, a JSON header, and tensor offsets
+that stay inside the file (a truncated copy fails it). Ignored: authenticity (a checksum detects
+accidents, not tampering).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +28,14 @@ from kvstate.errors import IntegrityError
 from kvstate.io_safety import write_text_atomic
 
 MANIFEST = "manifest.json"
-FORMAT = "kvstate-manifest/1"
+FORMAT = "kvstate-manifest/2"
+_FORMAT_1 = "kvstate-manifest/1"  # a model directory's checksums, no kind and no metadata
+_RESERVED = ("format", "kind", "files")
+RETRAIN = "restore it from its source or retrain"
 
 
 def _sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -32,13 +43,81 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(directory: str | Path) -> dict[str, Any]:
-    """Record the SHA-256 and size of every regular file in ``directory`` (not recursing) in ``manifest.json``."""
+def write_manifest(directory: str | Path, *, kind: str = "model", files: Iterable[str] | None = None,
+                   meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Record the SHA-256 and size of ``files`` in ``directory/manifest.json``, with ``kind`` and ``meta``.
+
+    ``files``: names inside ``directory``; ``None`` means every regular, non-hidden file there (not
+    recursing). ``meta``: JSON-serialisable fields stored at the top level next to them.
+    """
     d = Path(directory)
-    files = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size}
-             for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")}
-    manifest = {"format": FORMAT, "files": files}
-    write_text_atomic(d / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    meta = meta or {}
+    clash = sorted(set(meta) & set(_RESERVED))
+    if clash:
+        raise ValueError(f"write_manifest: meta keys {clash} are reserved for the manifest's own fields; rename them")
+    names = sorted(files) if files is not None else [
+        p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")]
+    listed = {n: {"sha256": _sha256(d / n), "bytes": (d / n).stat().st_size} for n in names}
+    manifest = {"format": FORMAT, "kind": kind, "files": listed, **meta}
+    write_text_atomic(d / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    return manifest
+
+
+def refresh_manifest(directory: str | Path) -> dict[str, Any]:
+    """Rewrite the checksums of the files ``directory``'s manifest lists (after the saver changed one of
+    them), keeping its kind and metadata; the manifest is read without verifying the old checksums."""
+    d = Path(directory)
+    m = _parse(d / MANIFEST, RETRAIN)
+    meta = {k: v for k, v in m.items() if k not in _RESERVED}
+    return write_manifest(d, kind=m["kind"], files=list(m["files"]), meta=meta)
+
+
+def _parse(path: Path, remedy: str) -> dict[str, Any]:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise TypeError("not a JSON object")
+        fmt = manifest.get("format")
+        if fmt == _FORMAT_1:
+            manifest = {**manifest, "format": FORMAT, "kind": "model"}
+        elif fmt != FORMAT:
+            raise ValueError(f"format {fmt!r}, expected {FORMAT!r}")
+        files = manifest["files"]
+        if not isinstance(manifest.get("kind"), str) or not isinstance(files, dict) or not all(
+                isinstance(v, dict) for v in files.values()):
+            raise ValueError("kind / files of the wrong type")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{str(path)!r} is not a kvstate manifest ({exc}); {remedy}") from None
+    return manifest
+
+
+def read_manifest(directory: str | Path, *, kind: str | None = None, covers: Iterable[str] = (),
+                  remedy: str = RETRAIN) -> dict[str, Any]:
+    """The manifest of ``directory`` once every file it lists matches its checksum.
+
+    Raises :class:`IntegrityError` naming the directory or file and ``remedy`` (the fix) for no manifest,
+    an unreadable one, one of another ``kind``, one that does not list every name in ``covers``, or a
+    missing, resized or changed file.
+    """
+    d = Path(directory)
+    path = d / MANIFEST
+    if not path.is_file():
+        raise IntegrityError(f"{str(d)!r} has no {MANIFEST}; it was not written by kvstate, or the manifest was "
+                             f"removed — {remedy}")
+    manifest = _parse(path, remedy)
+    if kind is not None and manifest["kind"] != kind:
+        raise IntegrityError(f"{str(path)!r} describes a {manifest['kind']!r} directory, not a {kind!r} one; "
+                             f"pass a {kind} directory")
+    unlisted = sorted(set(covers) - set(manifest["files"]))
+    if unlisted:
+        raise IntegrityError(f"{str(path)!r} has no checksum for {', '.join(unlisted)}; {remedy}")
+    for name, want in manifest["files"].items():
+        p = d / name
+        if not p.is_file():
+            raise IntegrityError(f"{str(p)!r} is listed in {MANIFEST} but missing; {remedy}")
+        if p.stat().st_size != want.get("bytes") or _sha256(p) != want.get("sha256"):
+            raise IntegrityError(f"{str(p)!r} does not match its checksum in {MANIFEST} (changed, truncated or "
+                                 f"corrupted after kvstate wrote it); {remedy}")
     return manifest
 
 
@@ -49,27 +128,12 @@ def verify_manifest(directory: str | Path, *, required: bool = False) -> bool:
     (with ``required``) no manifest at all.
     """
     d = Path(directory)
-    path = d / MANIFEST
-    if not path.is_file():
+    if not (d / MANIFEST).is_file():
         if required:
             raise IntegrityError(f"{str(d)!r} has no {MANIFEST}; it was not written by kvstate train, or the "
                                  "manifest was removed — retrain, or call write_manifest() on a copy you trust")
         return False
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {manifest.get('format')!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{str(path)!r} is not a kvstate manifest ({exc}); delete it or restore the "
-                             "directory from its source") from None
-    for name, want in files.items():
-        p = d / name
-        if not p.is_file():
-            raise IntegrityError(f"{str(p)!r} is listed in {MANIFEST} but missing; restore it or retrain")
-        if p.stat().st_size != want.get("bytes") or _sha256(p) != want.get("sha256"):
-            raise IntegrityError(f"{str(p)!r} does not match its checksum in {MANIFEST} (changed or corrupted "
-                                 "after kvstate train wrote it); restore it from its source or retrain")
+    read_manifest(d, remedy="restore it from its source or retrain")
     return True
 
 

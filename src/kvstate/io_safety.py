@@ -4,8 +4,10 @@ The write-to-a-temporary-sibling-then-rename technique (a ``rename`` within one 
 POSIX): a file or a whole output directory is written next to its destination under a hidden name and
 renamed over it only once complete, so an interrupted or failed run leaves the previous output
 untouched and whole. An output directory that already holds something is refused unless the caller
-passes ``overwrite``; an output that cannot be written (a path under a read-only or pseudo filesystem,
-an existing file where a directory is wanted) is found by :func:`check_output_dir` before any work.
+passes ``overwrite``, and one holding something of another kind than the output (a caller's ``accept``
+predicate: a report, a router, a codec) is never written into; an output that cannot be written (a
+path under a read-only or pseudo filesystem, an existing file where a directory is wanted) is found by
+:func:`check_output_dir` before any work.
 Written files get the permissions of an ordinary ``open`` (``0666 & ~umask``, normally 0644), not
 ``mkstemp``'s 0600. Ignored: concurrent writers to the same destination (the last one wins), and the
 short moment of a directory replacement in which the old directory is renamed aside and the new one
@@ -18,7 +20,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,11 +49,15 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
-def check_output_dir(path: str | Path, *, overwrite: bool = False, option: str = "--out") -> Path:
+def check_output_dir(path: str | Path, *, overwrite: bool = False, option: str = "--out",
+                     accept: Callable[[Path], bool] | None = None, kind: str = "") -> Path:
     """Raise :class:`OutputError` unless ``path`` can receive a new output directory; changes nothing on disk.
 
-    Refused: an existing file; a non-empty directory unless ``overwrite``; a location where no directory
-    can be created (probed by creating and removing a temporary directory in the nearest existing parent).
+    Refused: an existing file; a non-empty directory unless ``overwrite``; with ``accept`` (a predicate
+    saying whether a directory holds output of the kind being written, described by ``kind``, e.g.
+    ``"a kvstate report"``), a non-empty directory it rejects, even with ``overwrite``: a directory that
+    holds something of another kind is never written into; a location where no directory can be created
+    (probed by creating and removing a temporary directory in the nearest existing parent).
     """
     p = Path(path)
     here = Path.cwd().resolve()
@@ -59,10 +65,15 @@ def check_output_dir(path: str | Path, *, overwrite: bool = False, option: str =
         raise OutputError(f"{option} {str(p)!r} is the working directory or one above it; pass a new subdirectory")
     if p.exists() and not p.is_dir():
         raise OutputError(f"{option} {str(p)!r} is an existing file, not a directory; pass a directory path")
-    if p.is_dir() and not overwrite and any(p.iterdir()):
-        held = ", ".join(sorted(c.name for c in p.iterdir())[:4])
-        raise OutputError(f"{option} {str(p)!r} already holds output ({held}, ...); pass --overwrite to replace "
-                          "it whole, or choose a new directory")
+    if p.is_dir() and any(p.iterdir()):
+        names = sorted(c.name for c in p.iterdir())
+        held = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        if accept is not None and not accept(p):
+            raise OutputError(f"{option} {str(p)!r} exists and is not {kind or 'output of this kind'}: it holds "
+                              f"{held}; choose a new or empty directory, or remove it yourself")
+        if not overwrite:
+            raise OutputError(f"{option} {str(p)!r} already holds output ({held}); pass --overwrite to replace it "
+                              "whole, or choose a new directory")
     base = _nearest_existing(p.parent)
     if not base.is_dir():
         raise OutputError(f"{option} {str(p)!r}: {str(base)!r} is a file, so no directory can be made under it; "
@@ -92,12 +103,18 @@ def replace_dir(built: Path, dest: Path) -> None:
 
 
 @contextmanager
-def staged_dir(dest: str | Path) -> Iterator[Path]:
-    """A temporary sibling of ``dest`` to write into; on success it replaces ``dest`` whole, on error it is removed."""
+def staged_dir(dest: str | Path, *, keep: bool = False) -> Iterator[Path]:
+    """A temporary sibling of ``dest`` to write into; on success it replaces ``dest`` whole, on error it is removed.
+
+    With ``keep`` the sibling starts as a copy of what ``dest`` holds, so files the caller does not
+    rewrite (results written next to a saved artifact) survive the replacement.
+    """
     d = Path(dest)
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=d.parent, prefix=f".{d.name}.tmp-"))
     try:
+        if keep and d.is_dir():
+            shutil.copytree(d, tmp, symlinks=True, dirs_exist_ok=True)
         yield tmp
         replace_dir(tmp, d)
     finally:
@@ -106,8 +123,12 @@ def staged_dir(dest: str | Path) -> Iterator[Path]:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to a temporary sibling of ``path`` and rename it over ``path`` (normal permissions)."""
+    """Write ``data`` to a temporary sibling of ``path`` and rename it over ``path`` (normal permissions).
+
+    Missing parent directories are created.
+    """
     p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -120,6 +141,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
+    """:func:`write_bytes_atomic` of ``text`` encoded as UTF-8."""
     write_bytes_atomic(path, text.encode("utf-8"))
 
 

@@ -1,7 +1,8 @@
 """kvstate.models — the one place that knows transformers internals.
 
 Layer kinds, state snapshot/restore over the unified ``DynamicCache``, segmented prefill with explicit
-``position_ids``, byte accounting, local loading, and tiny random configs of every supported family.
+``position_ids``, byte accounting, a model's fingerprint, local loading, and tiny random configs of every
+supported family.
 """
 
 from kvstate.models.accounting import (
@@ -19,6 +20,7 @@ from kvstate.models.families import (
     layer_kinds,
     supported_families,
 )
+from kvstate.models.fingerprint import model_fingerprint
 from kvstate.models.loading import load_config, load_model
 from kvstate.models.prefill import PrefillOutput, segmented_prefill
 from kvstate.models.resumable import ResumableCache
@@ -50,6 +52,7 @@ __all__ = [
     "layer_kinds",
     "load_config",
     "load_model",
+    "model_fingerprint",
     "qwen35_08b_config",
     "recurrent_shape",
     "restore_cache",

@@ -15,7 +15,7 @@ from kvstate.semantic.cache import (
     prefill_and_compress,
     surprisal,
 )
-from kvstate.semantic.router import RouterConfig, RouterMismatchError, SemanticRouter, model_fingerprint
+from kvstate.semantic.router import RouterConfig, RouterMismatchError, SemanticRouter
 from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, segment
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "SemanticLayer",
     "SemanticRouter",
     "fit_budget",
-    "model_fingerprint",
     "prefill_and_compress",
     "register",
     "segment",

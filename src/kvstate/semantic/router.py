@@ -4,16 +4,14 @@ From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Mem
 into a small routing space to build one summary per span; at decode the query is projected into the
 same space and a sigmoid relevance gate ``sigmoid(alpha_l * cos(P_q q, summary) + beta_l)`` scores each
 span; a learned per-layer, per-head threshold decides which spans to expand. The base model stays
-frozen; only this module trains (``kvstate semantic train``). It saves as safetensors with a manifest
-carrying the base model's fingerprint, and refuses to load onto another model.
+frozen; only this module trains (``kvstate semantic train``). It saves as ``router.safetensors`` with a
+checksum manifest (:mod:`kvstate.integrity`, kind ``"router"``) carrying the base model's fingerprint
+(:func:`kvstate.models.model_fingerprint`) and the router's config; loading verifies the checksums and
+refuses a router trained for another model.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +21,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from kvstate.errors import KVStateError
+from kvstate.integrity import read_manifest, write_manifest
+from kvstate.io_safety import check_output_dir, staged_dir
+from kvstate.models.fingerprint import model_fingerprint
 from kvstate.semantic.lowrank import RankGate
 
 WEIGHTS, MANIFEST = "router.safetensors", "manifest.json"
+RETRAIN = "train the router again with `kvstate semantic train --model DIR --out DIR`"
 
 
 class RouterMismatchError(KVStateError):
@@ -57,17 +59,9 @@ class RouterConfig:
         return cls(tc.num_hidden_layers, tc.num_attention_heads, tc.num_key_value_heads, head_dim, routing_dim)
 
 
-def model_fingerprint(model: Any) -> str:
-    """sha256 (first 16 hex) over the config's architecture fields and every parameter's bytes."""
-    h = hashlib.sha256()
-    tc = model.config.get_text_config(decoder=True)
-    h.update(json.dumps({k: getattr(tc, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers",
-                                                           "num_attention_heads", "num_key_value_heads",
-                                                           "vocab_size")}, sort_keys=True).encode())
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().float().contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
+def is_router_dir(path: Path) -> bool:
+    """An empty directory, or one holding a saved router (``router.safetensors`` and ``manifest.json``)."""
+    return path.is_dir() and (not any(path.iterdir()) or ((path / WEIGHTS).is_file() and (path / MANIFEST).is_file()))
 
 
 class SemanticRouter(nn.Module):
@@ -120,35 +114,38 @@ class SemanticRouter(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def save(self, out_dir: str | Path, fingerprint: str, extra: dict[str, Any] | None = None) -> None:
-        """Write router.safetensors + manifest.json atomically (temp files, then rename)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        """Write ``router.safetensors`` + ``manifest.json`` (kind ``"router"``: ``fingerprint`` of the base model,
+        config, ``extra``) into ``out_dir``, which appears whole: built aside, then swapped in. Files already
+        there (evaluation results, the card) are kept; a directory holding something else than a router is
+        refused with :class:`~kvstate.errors.OutputError`."""
+        out = check_output_dir(out_dir, overwrite=True, accept=is_router_dir, option="router directory",
+                               kind=f"a SEKV router directory ({WEIGHTS} + {MANIFEST})")
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        manifest = {"config": asdict(self.config), "fingerprint": fingerprint, **(extra or {})}
-        fd, tmp_w = tempfile.mkstemp(dir=out, prefix=".router.")
-        os.close(fd)
-        save_file(tensors, tmp_w, metadata={"fingerprint": fingerprint})
-        fd, tmp_m = tempfile.mkstemp(dir=out, prefix=".manifest.")
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-        os.replace(tmp_w, out / WEIGHTS)
-        os.replace(tmp_m, out / MANIFEST)
+        meta = {"config": asdict(self.config), "fingerprint": fingerprint, **(extra or {})}
+        with staged_dir(out, keep=True) as tmp:
+            save_file(tensors, str(tmp / WEIGHTS))  # the fingerprint lives in the manifest only
+            write_manifest(tmp, kind="router", files=[WEIGHTS], meta=meta)
 
     @classmethod
     def load(cls, path: str | Path, model: Any | None = None, fingerprint: str | None = None) -> SemanticRouter:
-        """Load a saved router; with ``model`` (or its ``fingerprint``) refuse one trained for another model."""
+        """Load a saved router after checking its files against their checksums (:class:`IntegrityError`
+        naming a damaged file); with ``model`` (or its ``fingerprint``) refuse one trained for another model."""
         p = Path(path)
         if not (p / WEIGHTS).is_file() or not (p / MANIFEST).is_file():
             raise KVStateError(f"{str(p)!r} holds no SEKV router ({WEIGHTS} + {MANIFEST}); train one with "
                                "`kvstate semantic train --model DIR --out DIR`")
-        manifest = json.loads((p / MANIFEST).read_text())
+        manifest = read_manifest(p, kind="router", covers=(WEIGHTS,), remedy=RETRAIN)
         want = fingerprint if fingerprint is not None else (model_fingerprint(model) if model is not None else None)
         if want is not None and manifest.get("fingerprint") != want:
             raise RouterMismatchError(f"router in {str(p)!r} was trained for a model with fingerprint "
-                                      f"{manifest.get('fingerprint')!r}, but this model's is {want!r}; train a router "
-                                      "for this model with `kvstate semantic train`")
-        router = cls(RouterConfig(**manifest["config"]))
-        router.load_state_dict(load_file(p / WEIGHTS))
+                                      f"{str(manifest.get('fingerprint'))[:16]}…, but this model's is {want[:16]}…; "
+                                      "train a router for this model with `kvstate semantic train`")
+        try:
+            router = cls(RouterConfig(**manifest["config"]))
+            router.load_state_dict(load_file(p / WEIGHTS))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise RouterMismatchError(f"router in {str(p)!r}: its {MANIFEST} config does not fit its weights "
+                                      f"({' '.join(str(exc).split())[:200]}); {RETRAIN}") from None
         if model is not None:
             mine = RouterConfig.from_model_config(model.config, router.config.routing_dim)
             if mine != router.config:

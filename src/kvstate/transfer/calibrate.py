@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstate.models.fingerprint import model_fingerprint
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
 from kvstate.transfer.lowrank import fit_low_rank, fit_pca, relative_error, select_patch_layers
-from kvstate.transfer.states import build_cache, continue_logits, geometry, model_fingerprint, prefill_states
+from kvstate.transfer.states import build_cache, continue_logits, geometry, prefill_states
 
 CALIBRATION_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "qa", "vt", "text")
 

@@ -12,24 +12,29 @@ returned ``DynamicCache``). Codes travel as int8 / int4 with per-channel scales 
 
 A codec holds REUSE maps and aligners for every layer, so the producer may patch any subset
 (``patch=`` of :meth:`Codec.encode`; the payload says which): the calibrated ``patch_layers`` are the
-default. Saved as ``codec.safetensors`` + ``manifest.json``. Ignored: per-request rank adaptation.
+default. Saved as ``codec.safetensors`` + a checksum ``manifest.json`` (:mod:`kvstate.integrity`, kind
+``"codec"``, carrying both models' fingerprints, the ranks and the geometry); loading verifies the
+checksums. The codec's identity (``pair``, which every payload carries) hashes that manifest's content:
+the fingerprints, config, geometry and the SHA-256 of the weights file. Ignored: per-request rank
+adaptation.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from kvstate.errors import KVStateError
+from kvstate.integrity import read_manifest, write_manifest
+from kvstate.io_safety import check_output_dir, staged_dir
+from kvstate.models.fingerprint import model_fingerprint
 from kvstate.transfer.payload import Payload, PayloadError, ids_hash
 from kvstate.transfer.quant import dequantize_codes, quantize_codes
 from kvstate.transfer.states import (
@@ -37,12 +42,12 @@ from kvstate.transfer.states import (
     build_cache,
     capture_inputs,
     geometry,
-    model_fingerprint,
     project_kv,
 )
 
-CODEC_VERSION = 1
+CODEC_VERSION = 2  # 2: the kvstate manifest schema with checksums; the pair hashes the manifest's content
 MANIFEST, WEIGHTS = "manifest.json", "codec.safetensors"
+RECALIBRATE = "recalibrate with `kvstate transfer calibrate`"
 REUSE, PATCH = "R", "P"
 
 
@@ -101,11 +106,9 @@ class Codec:
 
     def __post_init__(self) -> None:
         self.config.check(self.geometry)
-        h = hashlib.sha256(f"{self.producer_fp}|{self.consumer_fp}".encode())
-        for name, t in sorted(self.tensors.items()):
-            h.update(name.encode())
-            h.update(t.detach().float().contiguous().numpy().tobytes())
-        self.pair = h.digest()  # what a payload must carry to be decoded by this codec
+        self._weights = save({k: v.detach().contiguous() for k, v in self.tensors.items()})  # codec.safetensors
+        identity = json.dumps(self._identity(), sort_keys=True).encode()
+        self.pair = hashlib.sha256(identity).digest()  # what a payload must carry to be decoded by this codec
 
     # --- identity -------------------------------------------------------------------------------
     def check_models(self, producer: Any | None = None, consumer: Any | None = None) -> None:
@@ -227,44 +230,56 @@ class Codec:
                                                                       "bits": str(b)})
 
     # --- files ----------------------------------------------------------------------------------
-    def manifest(self) -> dict[str, Any]:
+    def _identity(self) -> dict[str, Any]:
+        """The manifest fields that make the codec what it is; ``pair`` is their hash."""
         c = self.config
         return {"format_version": CODEC_VERSION, "producer_fingerprint": self.producer_fp,
                 "consumer_fingerprint": self.consumer_fp, "rank_k": c.rank_k, "rank_v": c.rank_v,
                 "rank_h": c.rank_h, "patch_layers": list(c.patch_layers), "bits": c.bits,
-                "geometry": self.geometry.as_json(), "pair": self.pair.hex(), "calibration": self.info}
+                "geometry": self.geometry.as_json(), "weights_sha256": hashlib.sha256(self._weights).hexdigest()}
+
+    def manifest(self) -> dict[str, Any]:
+        """The metadata ``save`` writes into ``manifest.json`` next to the file checksums."""
+        return {**self._identity(), "pair": self.pair.hex(), "calibration": self.info}
 
     def save(self, out_dir: str | Path) -> Path:
-        """Write ``codec.safetensors`` + ``manifest.json`` (each via a temp sibling and a rename)."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, write in ((WEIGHTS, lambda p: save_file({k: v.contiguous() for k, v in self.tensors.items()}, p)),
-                            (MANIFEST, lambda p: Path(p).write_text(json.dumps(self.manifest(), indent=1) + "\n"))):
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.")
-            os.close(fd)
-            try:
-                write(tmp)
-                os.replace(tmp, out / name)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+        """Write ``codec.safetensors`` + ``manifest.json`` into ``out_dir``, which appears whole (built aside,
+        then swapped in); files already there (benchmarks, the card) are kept. A directory holding something
+        else than a codec is refused with :class:`~kvstate.errors.OutputError`."""
+        out = check_output_dir(out_dir, overwrite=True, accept=is_codec_dir, option="codec directory",
+                               kind=f"a codec directory ({WEIGHTS} + {MANIFEST})")
+        with staged_dir(out, keep=True) as tmp:
+            (tmp / WEIGHTS).write_bytes(self._weights)
+            write_manifest(tmp, kind="codec", files=[WEIGHTS], meta=self.manifest())
         return out
 
     @classmethod
     def load(cls, codec_dir: str | Path) -> Codec:
+        """The codec saved in ``codec_dir``, after checking its files against their checksums
+        (:class:`~kvstate.errors.IntegrityError` naming a damaged file) and its identity against its manifest."""
         d = Path(codec_dir)
         if not (d / MANIFEST).is_file() or not (d / WEIGHTS).is_file():
             raise CodecError(f"{str(d)!r} is not a codec directory (needs {MANIFEST} and {WEIGHTS}); "
                              "write one with `kvstate transfer calibrate`")
+        m = read_manifest(d, kind="codec", covers=(WEIGHTS,), remedy=RECALIBRATE)
         try:
-            m = json.loads((d / MANIFEST).read_text())
             version = m["format_version"]
             if version != CODEC_VERSION:
                 raise CodecError(f"codec {str(d)!r} has format version {version}; this kvstate reads "
-                                 f"{CODEC_VERSION} — recalibrate it")
+                                 f"{CODEC_VERSION} — {RECALIBRATE}")
             cfg = CodecConfig(m["rank_k"], m["rank_v"], m["rank_h"], tuple(m["patch_layers"]), m["bits"])
             g = Geometry(**m["geometry"])
-            return cls(cfg, g, m["producer_fingerprint"], m["consumer_fingerprint"], load_file(d / WEIGHTS),
-                       m.get("calibration", {}))
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise CodecError(f"codec manifest {str(d / MANIFEST)!r} is malformed ({exc!r}); recalibrate") from None
+            codec = cls(cfg, g, m["producer_fingerprint"], m["consumer_fingerprint"], load_file(d / WEIGHTS),
+                        m.get("calibration", {}))
+        except (KeyError, TypeError) as exc:
+            raise CodecError(f"codec manifest {str(d / MANIFEST)!r} is malformed ({exc!r}); {RECALIBRATE}") from None
+        if codec.pair.hex() != m.get("pair"):
+            raise CodecError(f"codec manifest {str(d / MANIFEST)!r} does not describe {WEIGHTS} (its pair "
+                             f"{str(m.get('pair'))[:12]}… is not the hash of its content, {codec.pair.hex()[:12]}…); "
+                             f"{RECALIBRATE}")
+        return codec
+
+
+def is_codec_dir(path: Path) -> bool:
+    """An empty directory, or one holding a saved codec (``codec.safetensors`` and ``manifest.json``)."""
+    return path.is_dir() and (not any(path.iterdir()) or ((path / WEIGHTS).is_file() and (path / MANIFEST).is_file()))

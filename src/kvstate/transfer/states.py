@@ -12,8 +12,6 @@ state has no per-token K/V), sliding windows, batch > 1.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,10 +22,9 @@ from transformers import DynamicCache
 
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.families import LayerKind, layer_kinds
+from kvstate.models.fingerprint import model_fingerprint  # noqa: F401 -- imported from here by the lab's bench
 
 K_NORM = {"qwen3": True, "llama": False, "mistral": False, "qwen2": False}  # family -> has per-head k_norm
-_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -54,16 +51,6 @@ def geometry(model: Any) -> Geometry:
         raise UnsupportedModelError("state transfer does not support sliding-window attention; disable it")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return Geometry(cfg.model_type, cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cfg.hidden_size)
-
-
-def model_fingerprint(model: Any) -> str:
-    """SHA-256 (hex) of the architecture fields of the config and every weight (name, shape, dtype, bytes)."""
-    cfg = model.config
-    h = hashlib.sha256(json.dumps({k: getattr(cfg, k, None) for k in _CONFIG_KEYS}, sort_keys=True).encode())
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _layers(model: Any) -> Any:

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, OutputError
 from kvstate.lab.report import build as build_mod
 from kvstate.lab.report import plots
-from kvstate.lab.report.build import ReportOutputError, build_report, is_report_dir
+from kvstate.lab.report.build import build_report, is_report_dir
 from kvstate.lab.report.html import (
     COLLAPSE_ROWS,
     SCHEMA_VERSION,
@@ -191,10 +191,10 @@ def test_output_that_is_not_a_report_is_refused_before_any_work(tmp_path, monkey
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "thesis.txt").write_text("keep me")
-    with pytest.raises(ReportOutputError, match="is not a kvstate report"):
+    with pytest.raises(OutputError, match=r"is not a kvstate report.*holds thesis\.txt; choose a new or empty"):
         build_report(notes, tmp_path)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ReportOutputError, match="is a file"):
+    with pytest.raises(OutputError, match="is an existing file"):
         build_report(tmp_path / "file", tmp_path)
     with pytest.raises(KVStateError, match="no such report section"):
         build_report(tmp_path / "new", tmp_path, only=["nope"])
@@ -212,6 +212,6 @@ def test_unwritable_parent_is_reported_before_any_work(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(build_mod, "SECTIONS", [("fast", lambda o, m: calls.append(o) or _fast(o, m))])
-    with pytest.raises(ReportOutputError, match="cannot write next to it"):
+    with pytest.raises(OutputError, match="cannot be written"):
         build_report(Path("/proc/kvstate-report"), tmp_path)  # not writable, even for root
     assert not calls

@@ -9,8 +9,8 @@ from kvstate.errors import KVStateError
 from kvstate.lab.semantic.card import write_card
 from kvstate.lab.semantic.train import TrainConfig, train_router
 from kvstate.lab.workloads import build_tokenizer
-from kvstate.models import tiny_model
-from kvstate.semantic import SemanticRouter, model_fingerprint
+from kvstate.models import model_fingerprint, tiny_model
+from kvstate.semantic import SemanticRouter
 from kvstate.semantic.segment import SegmentConfig
 
 

@@ -43,7 +43,8 @@ def codec_dir(pair_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFac
 
 def test_calibrate_writes_a_codec_with_its_manifest(codec_dir: Path) -> None:
     m = json.loads((codec_dir / "manifest.json").read_text())
-    assert (m["rank_k"], m["rank_v"], m["rank_h"], len(m["patch_layers"]), m["format_version"]) == (4, 8, 16, 1, 1)
+    assert (m["rank_k"], m["rank_v"], m["rank_h"], len(m["patch_layers"]), m["format_version"]) == (4, 8, 16, 1, 2)
+    assert m["format"] == "kvstate-manifest/2" and m["kind"] == "codec" and set(m["files"]) == {"codec.safetensors"}
     assert len(m["producer_fingerprint"]) == 64 and m["producer_fingerprint"] != m["consumer_fingerprint"]
     assert len(m["calibration"]["raw_drift_k"]) == 2
 

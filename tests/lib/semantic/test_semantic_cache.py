@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvstate.errors import BudgetError, KVStateError, UnsupportedModelError
-from kvstate.models import tiny_model
+from kvstate.errors import BudgetError, IntegrityError, KVStateError, OutputError, UnsupportedModelError
+from kvstate.models import model_fingerprint, tiny_model
 from kvstate.semantic import (
     RouterConfig,
     RouterMismatchError,
@@ -16,7 +16,6 @@ from kvstate.semantic import (
     SemanticCache,
     SemanticConfig,
     SemanticRouter,
-    model_fingerprint,
     prefill_and_compress,
     semantic_attention,
 )
@@ -158,6 +157,35 @@ def test_router_save_load_round_trip_and_fingerprint(tmp_path):
     with pytest.raises(RouterMismatchError, match="fingerprint"):
         SemanticRouter.load(tmp_path / "r", other)
     assert not list((tmp_path / "r").glob(".*"))  # no temp files left
+
+
+def test_router_save_keeps_results_beside_it_and_refuses_another_kind_of_directory(tmp_path):
+    model = tiny_model("qwen3")
+    router = SemanticRouter(RouterConfig.from_model_config(model.config))
+    router.save(tmp_path / "r", model_fingerprint(model))
+    (tmp_path / "r" / "eval.json").write_text("{}")
+    router.save(tmp_path / "r", model_fingerprint(model), {"steps": 2})
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["eval.json", "manifest.json", "router.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r"]  # no staging sibling left
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("keep me")
+    with pytest.raises(OutputError, match="is not a SEKV router directory"):
+        router.save(notes, model_fingerprint(model))
+    assert [p.name for p in notes.iterdir()] == ["thesis.txt"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_a_damaged_router_file_is_one_integrity_error_naming_it(tmp_path, damage):
+    model = tiny_model("qwen3")
+    SemanticRouter(RouterConfig.from_model_config(model.config)).save(tmp_path / "r", model_fingerprint(model))
+    name = "manifest.json" if damage == "manifest" else "router.safetensors"
+    path = tmp_path / "r" / name
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage != "flip" else raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    with pytest.raises(IntegrityError, match=rf"{name}.*kvstate semantic train") as err:
+        SemanticRouter.load(tmp_path / "r", model)
+    assert str(path) in str(err.value)
 
 
 def test_bad_inputs():

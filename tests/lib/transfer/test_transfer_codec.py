@@ -3,10 +3,13 @@ consumer's own prefill, mismatched pairs fail loudly, and the baselines decode t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import DynamicCache
 
+from kvstate.errors import IntegrityError, OutputError
 from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
 from kvstate.models.tiny import tiny_model
 from kvstate.transfer import PayloadError
@@ -165,6 +168,44 @@ def test_save_load_round_trip(tmp_path, pair: tuple) -> None:  # type: ignore[no
     assert sorted(x.name for x in (tmp_path / "codec").iterdir()) == ["codec.safetensors", "manifest.json"]
     with pytest.raises(CodecError, match="not a codec directory"):
         Codec.load(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest"])
+def test_a_damaged_codec_file_is_one_integrity_error_naming_it(tmp_path, pair: tuple, damage: str) -> None:
+    _, _, codec = pair
+    codec.save(tmp_path / "codec")
+    name = "manifest.json" if damage == "manifest" else "codec.safetensors"
+    path = tmp_path / "codec" / name
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage != "flip" else raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    with pytest.raises(IntegrityError, match=rf"{name}.*kvstate transfer calibrate") as err:
+        Codec.load(tmp_path / "codec")
+    assert str(path) in str(err.value)
+
+
+def test_the_pair_hashes_the_manifest_not_only_the_tensors(tmp_path, pair: tuple) -> None:
+    _, _, codec = pair
+    c = codec.config
+    other_bits = Codec(CodecConfig(c.rank_k, c.rank_v, c.rank_h, c.patch_layers, 4), codec.geometry,
+                       codec.producer_fp, codec.consumer_fp, codec.tensors, codec.info)
+    assert other_bits.pair != codec.pair  # same tensors, another code precision: another codec
+    codec.save(tmp_path / "codec")
+    (tmp_path / "codec" / "eval.json").write_text("{}")
+    manifest = tmp_path / "codec" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    assert m["kind"] == "codec" and m["pair"] == codec.pair.hex()
+    assert m["files"]["codec.safetensors"]["sha256"] == m["weights_sha256"]
+    codec.save(tmp_path / "codec")  # a re-save keeps the files beside it
+    assert (tmp_path / "codec" / "eval.json").is_file()
+    manifest.write_text(json.dumps({**m, "bits": 4}))  # checksums still hold, the description does not
+    with pytest.raises(CodecError, match=r"does not describe codec\.safetensors"):
+        Codec.load(tmp_path / "codec")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("keep me")
+    with pytest.raises(OutputError, match="is not a codec directory"):
+        codec.save(notes)
+    assert [p.name for p in notes.iterdir()] == ["thesis.txt"]
 
 
 def test_generate_continues_a_decoded_cache(producer: torch.nn.Module, self_codec: Codec) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError
+from kvstate.io_safety import write_text_atomic
 from kvstate.lab.provenance import read_runs
 
 EVAL_FILE = "depth_eval.json"
@@ -84,9 +85,7 @@ def card_text(model_dir: Path) -> str:
 
 def write_card(model_dir: Path) -> Path:
     out = model_dir / "README.md"
-    tmp = model_dir / "README.md.tmp"
-    tmp.write_text(card_text(model_dir))
-    tmp.replace(out)
+    write_text_atomic(out, card_text(model_dir))
     return out
 
 

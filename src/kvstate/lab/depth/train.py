@@ -107,17 +107,16 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
 def _write_state(out: Path, state: dict[str, Any]) -> None:
     import torch
 
-    from kvstate.integrity import MANIFEST, write_manifest
+    from kvstate.integrity import MANIFEST, refresh_manifest
+    from kvstate.io_safety import write_text_atomic
     from kvstate.lab.training.io import STATE_FILE
 
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
-    tmp = out / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    tmp.replace(out / STATE_FILE)
+    write_text_atomic(out / STATE_FILE, json.dumps(state, indent=1))
     if (out / MANIFEST).is_file():  # the training state changed after kvstate train wrote its checksums
-        write_manifest(out)
+        refresh_manifest(out)
 
 
 __all__ = ["DEPTH_KEY", "DepthTrainConfig", "depth_train"]

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +21,7 @@ from typing import Any
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from kvstate.errors import KVStateError
+from kvstate.io_safety import check_output_dir, staged_dir
 from kvstate.lab.depth import section as depth_section
 from kvstate.lab.prefix import replay_section
 from kvstate.lab.prefix import section as prefix_section
@@ -45,8 +43,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
 ]
 
 
-class ReportOutputError(KVStateError):
-    """The report's output directory cannot be used (not a report, a file, not writable)."""
+REPORT_KIND = "a kvstate report (an index.html written by kvstate report)"
 
 
 def is_report_dir(path: Path) -> bool:
@@ -61,15 +58,6 @@ def is_report_dir(path: Path) -> bool:
     with index.open("r", encoding="utf-8", errors="replace") as f:
         head = f.read(4096)
     return f"content='{GENERATOR}'" in head or "<title>kvstate report</title>" in head  # current / first format
-
-
-def check_output_dir(out_dir: Path) -> None:
-    """Refuse, before any work, an ``--out`` that is a file or a directory holding something else than a report."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ReportOutputError(f"--out {str(out_dir)!r} is a file, not a directory; choose a directory path.")
-    if out_dir.is_dir() and not is_report_dir(out_dir):
-        raise ReportOutputError(f"--out {str(out_dir)!r} exists and is not a kvstate report (no index.html written "
-                                "by kvstate report); choose a new or empty directory, or remove it yourself.")
 
 
 def git_commit() -> str:
@@ -105,33 +93,6 @@ def run_settings() -> dict[str, Any]:
     }
 
 
-def _staging_dir(out_dir: Path) -> Path:
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
-    except OSError as exc:
-        raise ReportOutputError(f"--out {str(out_dir)!r}: cannot write next to it ({exc.strerror}); choose a "
-                                "writable directory.") from exc
-    staging.chmod(0o755)  # mkdtemp's 0700 would hide the report from other users
-    return staging
-
-
-def _swap_into_place(staging: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by ``staging``: the old report is kept aside until the new one is in place."""
-    if not out_dir.exists():
-        staging.rename(out_dir)
-        return
-    check_output_dir(out_dir)  # again: something may have been written there while the sections ran
-    old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-    out_dir.rename(old)
-    try:
-        staging.rename(out_dir)
-    except BaseException:
-        old.rename(out_dir)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[str] | None = None) -> Path:
     """Run the chosen sections into a staging directory, write the page, then swap it in as ``out_dir``."""
     names = [n for n, _ in SECTIONS]
@@ -139,12 +100,11 @@ def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[st
     if unknown:
         raise KVStateError(f"--section {', '.join(map(repr, unknown))}: no such report section; choose from "
                            f"{', '.join(map(repr, names))}.")
-    check_output_dir(out_dir)
+    check_output_dir(out_dir, overwrite=True, accept=is_report_dir, kind=REPORT_KIND)  # before any work
     chosen = [(n, b) for n, b in SECTIONS if only is None or n in only]
     run = run_settings()
-    staging = _staging_dir(out_dir)
     t_start = time.perf_counter()
-    try:
+    with staged_dir(out_dir) as staging:  # the previous report stays whole until this one is complete
         sections: list[Section] = []
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as progress:
             task = progress.add_task("report", total=len(chosen))
@@ -157,8 +117,6 @@ def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[st
                 progress.advance(task)
         run["wall_seconds"] = round(time.perf_counter() - t_start, 1)
         write_report(staging, sections, run)
-        _swap_into_place(staging, out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+        # again: something other than a report may have been written there while the sections ran
+        check_output_dir(out_dir, overwrite=True, accept=is_report_dir, kind=REPORT_KIND)
     return out_dir / "index.html"

@@ -43,14 +43,14 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError
+from kvstate.io_safety import write_text_atomic
+from kvstate.io_safety import write_text_atomic as atomic_write_text  # noqa: F401 -- the name the axis CLIs import
 
 SCHEMA_VERSION = 3  # summary.json layout: {schema_version, generator, run, headline, headline_counts, notes, sections}
 GENERATOR = "kvstate report"  # marks a directory as a kvstate report (index.html meta tag, summary.json)
@@ -179,19 +179,6 @@ def pivot(records: Sequence[dict[str, Any]], row: str, column: str, value: str, 
         cells[(r[row], r[column])] = r[value]
     body = [[rv, *(fmt(cells[(rv, cv)]) if (rv, cv) in cells else "—" for cv in cols_seen)] for rv in rows_seen]
     return Table(title, [row_label or row, *(str(c) for c in cols_seen)], body, note)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the report from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _e(text: Any) -> str:
@@ -378,8 +365,8 @@ def write_report(out_dir: Path, sections: list[Section], run: dict[str, Any] | N
     page = render(sections, title, run)
     summary = json.dumps(_finite(summary_json(sections, run)), indent=2, sort_keys=True, allow_nan=False)
     index = out_dir / "index.html"
-    atomic_write_text(out_dir / "summary.json", summary + "\n")
-    atomic_write_text(index, page)
+    write_text_atomic(out_dir / "summary.json", summary + "\n")
+    write_text_atomic(index, page)
     return index
 
 

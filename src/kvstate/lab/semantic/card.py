@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvstate.io_safety import write_text_atomic
 from kvstate.lab.provenance import read_runs
-from kvstate.lab.report.html import atomic_write_text
 
 
 def _curve(history: list[dict[str, float]], rows: int = 12) -> list[str]:
@@ -84,5 +84,5 @@ def write_card(out_dir: Path, model_dir: Path, manifest: dict[str, Any] | None =
     ev = out_dir / "eval.json"
     evaluation = read_runs(ev)[-1] if ev.is_file() else None
     path = out_dir / "README.md"
-    atomic_write_text(path, render_card(model_dir, manifest, evaluation))
+    write_text_atomic(path, render_card(model_dir, manifest, evaluation))
     return path

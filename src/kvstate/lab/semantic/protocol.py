@@ -14,14 +14,13 @@ token ids; results come back the same way.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError, TraceFormatError
+from kvstate.io_safety import write_text_atomic
 from kvstate.lab.workloads.tasks import DEPTH_TASKS, Example, generate
 
 MULTI_Q = "niah_4q"
@@ -94,17 +93,8 @@ def build_items(tokenizer: Any, task: str, length: int, n: int, seed: int) -> li
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
-    """Write rows atomically (temp sibling, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write rows atomically (:func:`kvstate.io_safety.write_text_atomic`)."""
+    write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

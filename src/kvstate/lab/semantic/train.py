@@ -29,10 +29,11 @@ from torch import nn
 
 from kvstate.errors import KVStateError
 from kvstate.lab.workloads.tasks import TRAIN_STREAM, TaskConfig, _make
+from kvstate.models import model_fingerprint
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
 from kvstate.semantic.lowrank import gated_reconstruction
-from kvstate.semantic.router import RouterConfig, SemanticRouter, model_fingerprint
+from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import SegmentConfig, span_weights
 
 CAPTURE = "sekv_capture"

@@ -21,8 +21,6 @@ allocate per-depth arrays of that size.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.errors import TraceFormatError
-from kvstate.io_safety import normal_permissions, read_text_input
+from kvstate.io_safety import read_text_input, write_text_atomic
 from kvstate.validate import check_float, check_int
 
 WORKLOADS = ("quality", "narrativeqa", "system_prompts", "chat")
@@ -131,23 +129,16 @@ def overlap_weights(requests: Iterable[Request], prefix_id: str | None = None, l
 
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
-    """Write JSONL atomically (temp file + rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            for r in requests:
-                row: dict[str, object] = {"length": r.length, "overlap": r.overlap}
-                if r.prefix_id is not None:
-                    row["prefix_id"] = r.prefix_id
-                if r.tokens is not None:
-                    row["tokens"] = list(r.tokens)
-                f.write(json.dumps(row) + "\n")
-        normal_permissions(Path(tmp))  # mkstemp makes 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write JSONL atomically (:func:`kvstate.io_safety.write_text_atomic`)."""
+    rows = []
+    for r in requests:
+        row: dict[str, object] = {"length": r.length, "overlap": r.overlap}
+        if r.prefix_id is not None:
+            row["prefix_id"] = r.prefix_id
+        if r.tokens is not None:
+            row["tokens"] = list(r.tokens)
+        rows.append(json.dumps(row) + "\n")
+    write_text_atomic(path, "".join(rows))
 
 
 def read_trace(path: str | Path) -> list[Request]:
