@@ -22,7 +22,6 @@ from transformers import DynamicCache
 
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.families import LayerKind, layer_kinds
-from kvstate.models.fingerprint import model_fingerprint  # noqa: F401 -- imported from here by the lab's bench
 
 K_NORM = {"qwen3": True, "llama": False, "mistral": False, "qwen2": False}  # family -> has per-head k_norm
 

@@ -9,10 +9,9 @@ from kvstate.lab.report.html import (
     HeadlineRow,
     Section,
     Table,
-    atomic_write_text,
     pct,
     pivot,
     write_report,
 )
 
-__all__ = ["SCHEMA_VERSION", "Figure", "HeadlineRow", "Section", "Table", "atomic_write_text", "pct", "pivot", "write_report"]
+__all__ = ["SCHEMA_VERSION", "Figure", "HeadlineRow", "Section", "Table", "pct", "pivot", "write_report"]

@@ -50,7 +50,6 @@ from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.io_safety import write_text_atomic
-from kvstate.io_safety import write_text_atomic as atomic_write_text  # noqa: F401 -- the name the axis CLIs import
 
 SCHEMA_VERSION = 3  # summary.json layout: {schema_version, generator, run, headline, headline_counts, notes, sections}
 GENERATOR = "kvstate report"  # marks a directory as a kvstate report (index.html meta tag, summary.json)

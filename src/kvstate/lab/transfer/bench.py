@@ -27,10 +27,10 @@ from kvstate.lab.decode import greedy_decode
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import extract_answer, f1, score
 from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
+from kvstate.models import model_fingerprint
 from kvstate.transfer.codec import Codec
 from kvstate.transfer.lowrank import select_patch_layers
 from kvstate.transfer.payload import Payload
-from kvstate.transfer.states import model_fingerprint
 from kvstate.transfer.store import MemoryStore
 from kvstate.transfer.transport import ProducerService, ServerThread, fetch_payload
 

@@ -231,12 +231,12 @@ def card_command(
     codec_dir: Annotated[Path | None, typer.Option("--codec", help="Write CODEC/README.md instead (from its manifest).")] = None,
 ) -> None:
     """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench), or a codec's card."""
-    from kvstate.lab.report.html import atomic_write_text
+    from kvstate.io_safety import write_text_atomic
     from kvstate.lab.transfer.card import codec_card, consumer_card
 
     if codec_dir is not None:
-        atomic_write_text(codec_dir / "README.md", codec_card(codec_dir, command))
+        write_text_atomic(codec_dir / "README.md", codec_card(codec_dir, command))
         console.print(f"wrote {codec_dir / 'README.md'}")
         return
-    atomic_write_text(model / "README.md", consumer_card(model, base, bench, command))
+    write_text_atomic(model / "README.md", consumer_card(model, base, bench, command))
     console.print(f"wrote {model / 'README.md'}")
