@@ -14,7 +14,14 @@ import torch
 from scipy.stats import binomtest, chisquare
 
 from kvstate.depth.attention import layer_specs, routed
-from kvstate.depth.patterns import LayerSpec, PatternError, SharingPattern, draw_pattern, draw_route, format_pattern
+from kvstate.depth.patterns import (
+    LayerSpec,
+    PatternError,
+    SharingPattern,
+    draw_pattern,
+    draw_route,
+    format_pattern,
+)
 from kvstate.depth.routing import StochasticKVRouting
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.tiny import tiny_model
@@ -203,7 +210,7 @@ def test_resumed_routing_continues_the_same_draws(qwen3):
         other = StochasticKVRouting(qwen3, **{"p": 0.5, "seed": 3, "rule": "paper", field: value})
         with pytest.raises(PatternError, match=f"{field}="):
             other.load_state_dict(saved)
-    with pytest.raises(PatternError, match="not a StochasticKVRouting.state_dict"):
+    with pytest.raises(PatternError, match=r"not a StochasticKVRouting\.state_dict"):
         StochasticKVRouting(qwen3, 0.5, seed=3).load_state_dict({"p": 0.5, "seed": 3, "rule": "paper"})
 
 
