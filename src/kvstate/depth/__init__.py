@@ -1,7 +1,8 @@
 """kvstate.depth — cross-layer KV sharing and Random Cross-Layer Attention (Stochastic KV Routing).
 
 Pure patterns live in :mod:`kvstate.depth.patterns`; the torch glue (routed attention, the sharing
-cache, stochastic routing, training) loads lazily on first use, so the pure part runs without torch.
+cache, stochastic routing) loads lazily on first use, so the pure part runs without torch. Training and
+evaluation with routing live in the lab (``kvstate.lab.depth``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kvstate.depth.patterns import (
     PatternError,
     SharingPattern,
     cla,
+    draw_route,
     for_keep,
     format_pattern,
     keep,
@@ -33,6 +35,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'kvstate.depth' has no attribute {name!r}")
 
 
-__all__ = ["LayerSpec", "PatternError", "SharingPattern", "StochasticKVRouting", "apply_sharing",
-           "cla", "for_keep", "format_pattern", "keep", "kv_bytes", "layer_specs",
-           "none", "parse_pattern", "sharing_cache", "top_shared"]
+__all__ = ["LayerSpec", "PatternError", "SharingPattern", "StochasticKVRouting", "apply_sharing", "cla", "draw_route",
+           "for_keep", "format_pattern", "keep", "kv_bytes", "layer_specs", "none", "parse_pattern", "sharing_cache",
+           "top_shared"]

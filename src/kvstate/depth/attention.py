@@ -4,13 +4,18 @@ Cross-layer KV sharing ("Reducing Transformer Key-Value Cache Size with Cross-La
 Random Cross-Layer Attention ("Stochastic KV Routing") need the same thing from a model: at each
 forward pass, a *route* (a :class:`~kvstate.depth.patterns.SharingPattern`) says which layer's K/V
 each attention layer reads. :func:`routed` installs, for the duration of a ``with`` block, an
-attention forward that follows the route:
+attention forward that follows the route, in one of two modes:
 
-- an owner computes its K/V, writes them through ``cache.update`` when a cache is passed, and
-  publishes what it attends to (the whole cached K/V) for the layers below it in the route;
-- a non-owner computes only its queries (no K/V projections) and attends to its owner's published
-  K/V, *with or without a cache object*, so training (no cache) and inference (cache) run the
-  same computation under the same route.
+- owners only (deployment, fixed patterns, the ``owner`` routing variant): an owner computes its K/V,
+  writes them through ``cache.update`` when a cache is passed, and publishes what it attends to (the
+  whole cached K/V) for the layers below it in the route; a non-owner computes only its queries (no
+  K/V projections) and attends to its owner's published K/V;
+- every layer's own K/V (``own_kv=True``, R-CLA training as the paper describes it): every attention
+  layer computes (and caches) its own K/V and publishes it; a routed layer attends to its source's
+  *own* K/V, so the source may itself be routed elsewhere (``0_0_1_2``).
+
+Both behave the same *with or without a cache object*, so training (no cache) and inference (cache)
+run the same computation under the same route.
 
 A forward pre-hook on the decoder asks the router for the pass's route; the hooks and the forward
 are removed on exit, also on exceptions. The attention kernel is HF's own (``ALL_ATTENTION_FUNCTIONS``,
@@ -70,16 +75,18 @@ def attention_modules(model: Any) -> dict[int, torch.nn.Module]:
 
 
 class Router:
-    """Holds the route of the current forward pass and the K/V the owners published in it."""
+    """Holds the route of the current forward pass and the K/V published in it (by owners, or with
+    ``own_kv`` by every attention layer: its own K/V)."""
 
-    def __init__(self, layers: list[LayerSpec], draw: Callable[[], SharingPattern]) -> None:
+    def __init__(self, layers: list[LayerSpec], draw: Callable[[], SharingPattern], own_kv: bool = False) -> None:
         self.layers = layers
         self._draw = draw
+        self.own_kv = own_kv  # every layer computes its own K/V; a route may read a non-owner's own K/V
         self.route: SharingPattern | None = None
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin(self) -> None:
-        self.route = self._draw().validate(self.layers)
+        self.route = self._draw().validate(self.layers, require_owners=not self.own_kv)
         self.kv.clear()
 
     def end(self) -> None:
@@ -102,7 +109,7 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
     if qk_norm:
         q = self.q_norm(q)
     q = q.transpose(1, 2)  # (B, H, T, D)
-    if src == layer:
+    if src == layer or router.own_kv:
         k = self.k_proj(hidden_states).view(hidden_shape)
         if qk_norm:
             k = self.k_norm(k)
@@ -111,7 +118,9 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
         q, k = mod.apply_rotary_pos_emb(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, layer, kwargs=kwargs)  # (B, KVH, past + T, D)
-        router.kv[layer] = (k, v)
+        router.kv[layer] = (k, v)  # this layer's own K/V (an owner's is also what it attends to)
+        if src != layer:
+            k, v = router.kv[src]  # own_kv: the source's own K/V (it ran earlier in this pass)
     else:
         q = q * cos.unsqueeze(1) + mod.rotate_half(q) * sin.unsqueeze(1)  # RoPE on queries only
         k, v = router.kv[src]  # the owner ran earlier in this pass (patterns only point backwards)
@@ -123,10 +132,14 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
 
 
 @contextmanager
-def routed(model: Any, draw: Callable[[], SharingPattern]) -> Iterator[Router]:
-    """Install the routed attention on ``model`` until the block exits; ``draw()`` gives each pass's route."""
+def routed(model: Any, draw: Callable[[], SharingPattern], *, own_kv: bool = False) -> Iterator[Router]:
+    """Install the routed attention on ``model`` until the block exits; ``draw()`` gives each pass's route.
+
+    ``own_kv=False``: owners only compute K/V (a route must be a valid sharing pattern); ``own_kv=True``:
+    every attention layer computes its own K/V and a routed layer reads its source's own K/V.
+    """
     modules = attention_modules(model)
-    router = Router(layer_specs(model.config), draw)
+    router = Router(layer_specs(model.config), draw, own_kv)
     decoder = model.get_decoder()
     if getattr(decoder, "_kvstate_router", None) is not None:
         raise RuntimeError("kvstate.depth: the model is already routed; nest apply_sharing / routing blocks not")

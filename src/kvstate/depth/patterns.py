@@ -11,7 +11,10 @@ works at deployment; :func:`keep` picks the pattern that keeps a given fraction 
 Rules (checked by :meth:`SharingPattern.validate`, each error names the layer and the rule): a layer
 reads a layer at or before it, that layer is an owner, of the same attention type (full vs sliding
 window) and the same KV shape; recurrent layers take no part (they read only themselves and nobody
-reads them). Pure: ints and tuples only. Ignored: sharing across batch rows, partial (per-head) sharing.
+reads them). A *route* (one training pass of R-CLA as the paper describes it, :func:`draw_route`) has
+the same form but every layer computes its own K/V, so a layer may read any earlier layer of its group
+(``validate(layers, require_owners=False)``): ``"0_0_1_2"`` is a route, not a deployable pattern.
+Pure: ints and tuples only. Ignored: sharing across batch rows, partial (per-head) sharing.
 """
 
 from __future__ import annotations
@@ -81,8 +84,12 @@ class SharingPattern:
     def is_owner(self, layer: int) -> bool:
         return self.sources[layer] == layer
 
-    def validate(self, layers: Sequence[LayerSpec]) -> SharingPattern:
-        """Raise :class:`PatternError` naming the first layer that breaks a rule; return ``self``."""
+    def validate(self, layers: Sequence[LayerSpec], *, require_owners: bool = True) -> SharingPattern:
+        """Raise :class:`PatternError` naming the first layer that breaks a rule; return ``self``.
+
+        ``require_owners=False`` checks a training route instead (:func:`draw_route`): the source may itself
+        read another layer, since in training every layer computes its own K/V and the route reads those.
+        """
         if len(self.sources) != len(layers):
             raise PatternError(f"pattern {format_pattern(self)!r} has {len(self.sources)} layers but the model has "
                                f"{len(layers)}; give one source per decoder layer")
@@ -102,7 +109,7 @@ class SharingPattern:
             if not target.is_attention:
                 raise PatternError(f"layer {layer} reads layer {src}, which is recurrent: only attention layers "
                                    "share K/V")
-            if self.sources[src] != src:
+            if require_owners and self.sources[src] != src:
                 raise PatternError(f"layer {layer} reads layer {src}, which is not an owner (it reads layer "
                                    f"{self.sources[src]}): point it at an owner")
             if target.kind != spec.kind:
@@ -224,12 +231,37 @@ def kv_bytes(pattern: SharingPattern, layers: Sequence[LayerSpec], dtype_bytes: 
                for i in pattern.owners if layers[i].is_attention)
 
 
+def check_p(p: object) -> float:
+    """The routing probability as a float; :class:`PatternError` unless a number in [0, 1] (not a bool)."""
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+        raise PatternError(f"routing probability p={p!r} must be a number in [0, 1] (1: every layer keeps its own "
+                           "K/V)")
+    return float(p)
+
+
+def draw_route(layers: Sequence[LayerSpec], p: float, rng: random.Random) -> SharingPattern:
+    """One Random Cross-Layer Attention draw as the paper describes it: each attention layer, in order, keeps
+    its own K/V with probability ``p``, else reads the *own* K/V of a uniformly chosen earlier layer of its
+    group (same attention type and KV shape; every layer computes its own K/V in training). The first
+    layer of a group has no earlier layer and reads its own; recurrent layers read themselves. The result
+    is a route (``validate(layers, require_owners=False)``), e.g. ``0_0_1_2``; at p = 0.5 on 4 layers
+    ``0_0_0_0`` has probability 1/2 * 1/4 * 1/6 = 1/48."""
+    p = check_p(p)
+    sources = list(range(len(layers)))
+    for group in _attention_groups(layers):
+        for j, i in enumerate(group):
+            if j and rng.random() >= p:
+                sources[i] = group[rng.randrange(j)]
+    return SharingPattern(tuple(sources))
+
+
 def draw_pattern(layers: Sequence[LayerSpec], p: float, rng: random.Random) -> SharingPattern:
-    """One Random Cross-Layer Attention draw: each attention layer, in order, keeps its own K/V with
-    probability ``p``, else reads a uniformly chosen earlier owner of its group (the first layer of a
-    group has none and always keeps its own). Always a valid pattern."""
-    if not 0.0 <= p <= 1.0:
-        raise PatternError(f"routing probability p={p!r} must lie in [0, 1] (1: every layer keeps its own K/V)")
+    """The ``owner`` variant of an R-CLA draw (kept for ablation; :func:`draw_route` is the paper's): each
+    attention layer, in order, keeps its own K/V with probability ``p``, else reads a uniformly chosen
+    earlier *owner* of its group, so every draw is a deployable pattern. It is not the paper's
+    distribution: earlier sharing shrinks the choice, so at p = 0.5 on 4 layers ``0_0_0_0`` has
+    probability 1/8 instead of 1/48."""
+    p = check_p(p)
     sources = list(range(len(layers)))
     for group in _attention_groups(layers):
         owners: list[int] = []
@@ -281,5 +313,6 @@ def for_keep(layers: Sequence[LayerSpec], kind: str, fraction: float) -> Sharing
     return pattern
 
 
-__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "cla", "draw_pattern",
-           "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none", "parse_pattern", "preset", "top_shared"]
+__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "check_p", "cla",
+           "draw_pattern", "draw_route", "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none",
+           "parse_pattern", "preset", "top_shared"]

@@ -1,12 +1,23 @@
 """Random Cross-Layer Attention (R-CLA), the training side of "Stochastic KV Routing".
 
-:class:`StochasticKVRouting` is a context manager over an HF model: at every forward pass each
-attention layer keeps its own K/V with probability ``p``, otherwise it attends to the K/V of a
-uniformly chosen earlier owner of its type and shape (:func:`kvstate.depth.patterns.draw_pattern`).
+:class:`StochasticKVRouting` is a context manager over an HF model that draws a fresh route at every
+forward pass. Two rules (``rule=``):
+
+- ``"paper"`` (default), as the paper describes it: every attention layer computes its own K/V; each
+  layer attends to its own K/V with probability ``p``, otherwise to the *own* K/V of a uniformly chosen
+  earlier layer of its type and shape (:func:`kvstate.depth.patterns.draw_route`; the route ``0_0_1_2``
+  has layer 2 read layer 1's own K/V although layer 1 itself reads layer 0's);
+- ``"owner"``, a variant kept for ablation: a layer falls back to a uniformly chosen earlier *owner*
+  (:func:`kvstate.depth.patterns.draw_pattern`), so every draw is a deployable pattern and non-owners
+  skip their K/V projections. It is a different distribution: earlier sharing narrows the choice, so
+  all-to-layer-0 is 1/8 likely at p = 0.5 on 4 layers instead of the paper's 1/48.
+
 Trained this way, one model serves any sharing pattern at deployment. Draws come from a
 ``random.Random`` seeded by ``seed`` (reproducible, independent of torch's global RNG) and are
-logged in :attr:`StochasticKVRouting.draws`. The routed forward behaves the same with and without a
-cache object, and the hooks are removed on exit, also on exceptions.
+logged in :attr:`StochasticKVRouting.draws`; :meth:`~StochasticKVRouting.state_dict` /
+:meth:`~StochasticKVRouting.load_state_dict` (JSON-serialisable) let a resumed run continue the same
+draws. The routed forward behaves the same with and without a cache object, and the hooks are
+removed on exit, also on exceptions, so it works inside any loop (plain PyTorch, ``transformers.Trainer``).
 """
 
 from __future__ import annotations
@@ -17,43 +28,85 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.depth.attention import layer_specs, routed
-from kvstate.depth.patterns import PatternError, SharingPattern, draw_pattern, format_pattern
+from kvstate.depth.patterns import (
+    PatternError,
+    SharingPattern,
+    check_p,
+    draw_pattern,
+    draw_route,
+    format_pattern,
+)
+
+RULES = ("paper", "owner")  # paper: any earlier layer's own K/V; owner: an earlier owner (ablation variant)
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     p: float  # probability that a layer attends to its own K/V (1: no routing)
     seed: int = 0
+    rule: str = "paper"  # "paper" (draw_route) or "owner" (draw_pattern)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
-            raise PatternError(f"routing p={self.p!r} must lie in [0, 1] (1: every layer keeps its own K/V)")
-        if not isinstance(self.seed, int) or self.seed < 0:
+        check_p(self.p)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PatternError(f"routing seed={self.seed!r} must be an int >= 0")
+        if self.rule not in RULES:
+            raise PatternError(f"routing rule={self.rule!r} is unknown; choose one of {', '.join(RULES)} (paper: a "
+                               "layer reads any earlier layer's own K/V; owner: only earlier owners)")
 
 
 class StochasticKVRouting:
-    """``with StochasticKVRouting(model, p, seed): model(...)`` — a fresh route per forward pass."""
+    """``with StochasticKVRouting(model, p, seed, rule): model(...)`` — a fresh route per forward pass."""
 
-    def __init__(self, model: Any, p: float, seed: int = 0) -> None:
-        self.config = RoutingConfig(float(p), seed)
+    def __init__(self, model: Any, p: float, seed: int = 0, rule: str = "paper") -> None:
+        self.config = RoutingConfig(check_p(p), seed, rule)
         self.model = model
         self.layers = layer_specs(model.config)
         self.rng = random.Random(seed)
-        self.draws: list[SharingPattern] = []  # one per forward pass, in order
+        self.draws: list[SharingPattern] = []  # this object's draws, one per forward pass, in order
+        self.drawn = 0  # draws since the seed, including those of the run this one was loaded from
         self._ctx: Any = None
 
     def _draw(self) -> SharingPattern:
-        pattern = draw_pattern(self.layers, self.config.p, self.rng)
+        draw = draw_route if self.config.rule == "paper" else draw_pattern
+        pattern = draw(self.layers, self.config.p, self.rng)
         self.draws.append(pattern)
+        self.drawn += 1
         return pattern
 
     def counts(self) -> Counter[str]:
-        """How often each pattern was drawn (compact string form)."""
+        """How often each route was drawn by this object (compact string form, e.g. ``"0_0_1_2"``)."""
         return Counter(format_pattern(d) for d in self.draws)
 
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same draws, as JSON-serialisable values."""
+        version, internal, gauss = self.rng.getstate()
+        return {"p": self.config.p, "seed": self.config.seed, "rule": self.config.rule, "draws": self.drawn,
+                "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; :class:`PatternError` if it is malformed or was saved with another
+        p, seed or rule (a resumed run must draw from the same distribution and stream)."""
+        try:
+            saved = (float(state["p"]), state["seed"], state["rule"])
+            version, internal, gauss = state["rng"]
+            rng_state = (int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss))
+            drawn = int(state["draws"])
+            probe = random.Random()
+            probe.setstate(rng_state)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PatternError(f"routing state is not a StochasticKVRouting.state_dict() ({type(exc).__name__}: "
+                               f"{exc}); resume from an intact training state") from None
+        mine = (self.config.p, self.config.seed, self.config.rule)
+        for name, old, new in zip(("p", "seed", "rule"), saved, mine, strict=True):
+            if old != new:
+                raise PatternError(f"routing state was saved with {name}={old!r} but this routing has {name}={new!r}; "
+                                   f"resume with {name}={old!r} or start a new run")
+        self.rng.setstate(rng_state)
+        self.drawn = drawn
+
     def __enter__(self) -> StochasticKVRouting:
-        self._ctx = routed(self.model, self._draw)
+        self._ctx = routed(self.model, self._draw, own_kv=self.config.rule == "paper")
         self._ctx.__enter__()
         return self
 
@@ -62,4 +115,4 @@ class StochasticKVRouting:
         ctx.__exit__(*exc)
 
 
-__all__ = ["RoutingConfig", "StochasticKVRouting"]
+__all__ = ["RULES", "RoutingConfig", "StochasticKVRouting"]

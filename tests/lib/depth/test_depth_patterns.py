@@ -14,6 +14,7 @@ from kvstate.depth.patterns import (
     SharingPattern,
     cla,
     draw_pattern,
+    draw_route,
     for_keep,
     format_pattern,
     keep,
@@ -165,11 +166,12 @@ def test_draws_match_p_within_a_binomial_bound():
     assert [draw_pattern(layers, p, again) for _ in range(50)] == draws[:50]  # reproducible from the seed
 
 
-def test_draw_extremes_and_bad_p():
+@pytest.mark.parametrize("draw", [draw_pattern, draw_route])
+def test_draw_extremes_and_bad_p(draw):
     layers = LAYOUTS["hybrid"]
     rng = random.Random(0)
-    assert draw_pattern(layers, 1.0, rng) == none(layers)
-    assert draw_pattern(layers, 0.0, rng).sources == (0, 1, 2, 3, 2)  # recurrent layers untouched
-    for bad in (-0.1, 1.5):
+    assert draw(layers, 1.0, rng) == none(layers)
+    assert draw(layers, 0.0, rng).sources == (0, 1, 2, 3, 2)  # recurrent layers untouched
+    for bad in (-0.1, 1.5, True, None):
         with pytest.raises(PatternError, match="p="):
-            draw_pattern(layers, bad, rng)
+            draw(layers, bad, rng)

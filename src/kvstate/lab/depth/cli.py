@@ -1,7 +1,8 @@
 """``kvstate depth ...``: train with stochastic KV routing (R-CLA) and evaluate cross-layer KV sharing.
 
 A typer sub-app registered by ``cli.py``. ``train`` wraps :func:`kvstate.lab.depth.train.depth_train`
-(runs under ``torchrun`` with DDP over gloo when started that way); ``eval`` wraps
+(runs under ``torchrun`` with DDP over gloo when started that way); ``init-kv1`` wraps
+:func:`kvstate.lab.depth.kv1.init_kv1` (the equal-KV dense baseline's start); ``eval`` wraps
 :func:`kvstate.lab.depth.evaluate.evaluate_sharing`. torch and transformers load inside the commands.
 """
 
@@ -28,6 +29,8 @@ def train_command(
     tokens: Annotated[int | None, typer.Option("--tokens", help="Token budget (same batches for every run).")] = None,
     length: Annotated[int, typer.Option("--length", help="Tokens per training row.")] = 1024,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Routing seed (DDP rank r uses seed + r).")] = 0,
+    rule: Annotated[str, typer.Option(
+        "--rule", help="paper: a routed layer reads any earlier layer's own K/V; owner: an earlier owner (ablation).")] = "paper",
     resume: Annotated[bool, typer.Option("--resume", help="Continue the depth run saved in --out.")] = False,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a TrainConfig field, e.g. --set lr=0.0005 (JSON values).")] = None,
@@ -41,7 +44,7 @@ def train_command(
     from kvstate.lab.cli_models import parse_overrides
     from kvstate.lab.depth.train import DepthTrainConfig, depth_train
 
-    cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed)
+    cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule)
     extra = parse_overrides(overrides or [])
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
@@ -118,3 +121,18 @@ def card_command(
     from kvstate.lab.depth.card import write_card
 
     print(write_card(model))
+
+
+@app.command("init-kv1")
+def init_kv1_command(
+    model: Annotated[Path, typer.Option("--model", help="A kvstate train output with 2+ KV heads (e.g. models/ref-attn).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory for the 1-KV-head model (continue it with depth train).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an --out directory that already holds files.")] = False,
+) -> None:
+    """Start the equal-KV dense baseline: one KV head per layer, the mean of the model's KV heads."""
+    from kvstate.lab.depth.kv1 import KV1_KEY, init_kv1
+
+    state = init_kv1(model, out, overwrite=overwrite)
+    before, after = state[KV1_KEY]["kv_heads"]
+    print(f"saved {out}: {before} -> {after} KV heads per layer, {state['params']:,} parameters; continue it with "
+          f"kvstate depth train --model {out} --p 1 --out DIR --tokens N")

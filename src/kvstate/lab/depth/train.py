@@ -4,9 +4,13 @@ The loop is :func:`kvstate.lab.training.train.train` (curriculum tools, answer-w
 DDP under ``torchrun``); this module only wraps it in a routing context: stochastic routing with
 probability ``p`` (R-CLA; ``p = 1`` is the no-routing control), or one fixed pattern at every step
 (a specialist, e.g. CLA2 ``0_0_2_2``, always sharing as at deployment). Each DDP rank draws its own
-routes (seed + rank). A run starts from a ``kvstate train`` output directory (a reference model) at a
-fixed length and a constant learning rate, so runs with the same ``tokens`` see the same batches;
-``training_state.json`` gains a ``depth`` entry (start model, routing, draw counts).
+routes (seed + rank); ``rule`` picks the paper's draw (``paper``: any earlier layer's own K/V) or the
+ablated ``owner`` variant (:mod:`kvstate.depth.routing`). A run starts from a ``kvstate train`` output
+directory (a reference model) at a fixed length and a constant learning rate after a warm-up that counts
+from the run's first step, so runs with the same ``tokens`` see the same batches; ``training_state.json``
+gains a ``depth`` entry (start model, routing, draw counts). A resumed part continues the routing draws
+(the loop saves the routing's state) and the schedule, and is refused when its routing settings differ
+from the recorded ones.
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstate.depth.patterns import PatternError, SharingPattern, format_pattern
+from kvstate.depth.patterns import PatternError, SharingPattern, check_p, format_pattern, parse_pattern
 from kvstate.errors import KVStateError
 
 DEPTH_KEY = "depth"
 # what a depth run changes in the start model's TrainConfig: one length, constant lr, no curriculum moves
-FINE_TUNE = {"lr": 3e-4, "decay_fraction": 0.0, "warmup_steps": 20, "stage_patience_min": 1e6, "threads": 1,
-             "save_every_min": 3.0}
+FINE_TUNE = {"lr": 3e-4, "decay_fraction": 0.0, "warmup_steps": 20, "warmup_per_part": False,
+             "stage_patience_min": 1e6, "threads": 1, "save_every_min": 3.0}
+RULES = ("paper", "owner")  # kvstate.depth.routing.RULES (not imported: that loads torch)
+# a recorded depth entry without a rule was drawn before the paper's rule existed: owner draws
+LEGACY_RULE = "owner"
 
 
 @dataclass(frozen=True)
@@ -34,10 +41,15 @@ class DepthTrainConfig:
     minutes: float | None = None  # wall-clock budget
     tokens: int | None = None  # token budget: tokens // tokens_per_step steps (same batches for every run)
     seed: int = 0  # routing seed (rank r draws with seed + r)
+    rule: str = "paper"  # "paper" (any earlier layer's own K/V) or "owner" (an earlier owner; ablation)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.p, (int, float)) or not 0.0 <= self.p <= 1.0:
-            raise PatternError(f"--p {self.p!r} must lie in [0, 1] (1: every layer keeps its own K/V)")
+        try:
+            check_p(self.p)
+        except PatternError:
+            raise PatternError(f"--p {self.p!r} must be a number in [0, 1] (1: every layer keeps its own K/V)") from None
+        if self.rule not in RULES:
+            raise PatternError(f"--rule {self.rule!r} is unknown; choose one of {', '.join(RULES)}")
         if self.minutes is None and self.tokens is None:
             raise KVStateError("depth train: pass --minutes M or --tokens N (the training budget)")
         if self.minutes is not None and not self.minutes > 0:
@@ -60,10 +72,40 @@ def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None) -> A
             return routed(model, lambda: pattern)  # not apply_sharing: saves must not carry kv_sharing_modes
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        routing = StochasticKVRouting(model, cfg.p, seed=cfg.seed + rank)
+        routing = StochasticKVRouting(model, cfg.p, seed=cfg.seed + rank, rule=cfg.rule)
         factory.routing = routing  # type: ignore[attr-defined]
         return routing
     return factory
+
+
+def routing_settings(cfg: DepthTrainConfig) -> dict[str, Any]:
+    """What a depth entry records about the routing (``p`` and ``rule`` are None for a fixed pattern)."""
+    if cfg.pattern is not None:
+        return {"p": None, "pattern": format_pattern(parse_pattern(cfg.pattern)), "seed": cfg.seed, "rule": None}
+    return {"p": float(cfg.p), "pattern": None, "seed": cfg.seed, "rule": cfg.rule}
+
+
+def check_resume(recorded: dict[str, Any], cfg: DepthTrainConfig, out: str | Path) -> None:
+    """Refuse a resume whose routing settings (p, pattern, seed, rule) differ from the recorded run's."""
+    old = {"p": recorded.get("p"), "pattern": recorded.get("pattern"), "seed": recorded.get("seed", 0),
+           "rule": recorded.get("rule", LEGACY_RULE if recorded.get("pattern") is None else None)}
+    new = routing_settings(cfg)
+    diff = [k for k in ("p", "pattern", "seed", "rule") if old[k] != new[k]]
+    if diff:
+        was = ", ".join(f"{k}={old[k]!r}" for k in diff)
+        now = ", ".join(f"{k}={new[k]!r}" for k in diff)
+        flags = " ".join(f"--{k} {old[k]}" for k in diff if old[k] is not None)
+        raise KVStateError(f"depth train --resume: {str(out)!r} was trained with {was} but this command asks for "
+                           f"{now}; a resumed run must keep its routing — pass {flags or 'the recorded settings'}, "
+                           "or train into a new --out")
+
+
+def _resume_dir(out: Path) -> Path:
+    """The newest save of the run in ``out``: its periodic saves if a part was interrupted, else ``out``."""
+    from kvstate.lab.training.io import STATE_FILE, partial_dir
+
+    partial = partial_dir(out)
+    return partial if (partial / STATE_FILE).is_file() else out  # train() removes it when a part completes
 
 
 def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfig, *, resume: bool = False,
@@ -71,16 +113,22 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
                 overwrite: bool = False) -> dict[str, Any]:
     """Train ``model_dir`` (a ``kvstate train`` output) with routing into ``out_dir``; returns the state.
 
-    ``resume=True`` continues the run already in ``out_dir`` (same routing, budget counted afresh);
+    ``resume=True`` continues the run already in ``out_dir`` (or its periodic saves when a part was
+    interrupted): same routing (refused otherwise), the routing draws and the warm-up continue, the
+    budget is counted afresh.
     ``overwrite`` replaces an ``out_dir`` that holds other output (refused otherwise).
     """
-    from kvstate.depth.patterns import parse_pattern
+    from kvstate.lab.training.io import STATE_FILE
     from kvstate.lab.training.train import TrainConfig, load_state, train
 
-    start = Path(out_dir) if resume else Path(model_dir)
-    state = load_state(start)
-    prev = state.get(DEPTH_KEY)
+    out = Path(out_dir)
     pattern = parse_pattern(cfg.pattern) if cfg.pattern is not None else None
+    start = _resume_dir(out) if resume else Path(model_dir)
+    state = load_state(start)
+    # the run's own history lives in out (a first part's periodic saves carry only the start model's state)
+    prev = load_state(out).get(DEPTH_KEY) if resume and (out / STATE_FILE).is_file() else None
+    if prev is not None:
+        check_resume(prev, cfg, out)
     base = {k: v for k, v in state["config"].items() if k not in ("minutes", "max_steps", "resume_length")}
     fields = {**base, **FINE_TUNE, "max_length": cfg.length, **(overrides or {})}
     fields["resume_length"] = None if resume else cfg.length
@@ -88,19 +136,20 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     steps = math.ceil(cfg.tokens / int(fields["tokens_per_step"])) if cfg.tokens is not None else None
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
     factory = _routing_factory(cfg, pattern)
-    result = train(tcfg, out_dir, resume=start, progress=progress, log=log, context=factory, overwrite=overwrite)
+    result = train(tcfg, out, resume=start, progress=progress, log=log, context=factory,
+                   overwrite=overwrite or resume)
     routing = getattr(factory, "routing", None)
     counts = dict(routing.counts()) if routing is not None else {}
-    if resume and prev is not None:
+    if prev is not None:
         entry = prev
     else:  # a first part (or one killed before its first save with this entry): start counts from the model
         origin = load_state(model_dir)
         entry = {"start": str(model_dir), "start_step": int(origin["step"]), "start_tokens": int(origin["tokens"]),
                  "parts": []}
-    entry.update(p=None if pattern else cfg.p, pattern=format_pattern(pattern) if pattern else None, seed=cfg.seed)
+    entry.update(routing_settings(cfg))
     entry["parts"].append({"to_step": result["step"], "tokens": result["tokens"], "draw_counts": counts})
     result[DEPTH_KEY] = entry
-    _write_state(Path(out_dir), result)
+    _write_state(out, result)
     return result
 
 
@@ -119,4 +168,4 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
         refresh_manifest(out)
 
 
-__all__ = ["DEPTH_KEY", "DepthTrainConfig", "depth_train"]
+__all__ = ["DEPTH_KEY", "DepthTrainConfig", "check_resume", "depth_train", "routing_settings"]

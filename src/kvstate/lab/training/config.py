@@ -58,6 +58,9 @@ class TrainConfig:
     max_batch: int = 32
     lr: float = 1e-3
     warmup_steps: int = 30
+    # True: every part (resume) warms up again (the reference models were trained so); False: warm-up counts
+    # from the run's first step and a resumed part continues the schedule (depth runs)
+    warmup_per_part: bool = True
     decay_fraction: float = 0.15  # last fraction of `minutes` decays lr linearly to 10%
     weight_decay: float = 0.01
     answer_weight: float = 10.0  # marks answer tokens in training_batch's weights (and weighs them when answer_share=None)
@@ -94,6 +97,8 @@ class TrainConfig:
                     "answer_share", "decay_fraction", "shorter_share"), error=TrainError)
         if not isinstance(self.bf16, bool) or not isinstance(self.advance_metric, str):
             raise TrainError(f"TrainConfig: bf16={self.bf16!r} must be true/false and advance_metric a string")
+        if not isinstance(self.warmup_per_part, bool):
+            raise TrainError(f"TrainConfig.warmup_per_part={self.warmup_per_part!r} must be true or false")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 2 or self.num_heads % self.num_kv_heads:
             raise TrainError(f"TrainConfig: hidden_size={self.hidden_size} must divide by num_heads={self.num_heads} "
                              f"into an even head size, and num_heads by num_kv_heads={self.num_kv_heads}")

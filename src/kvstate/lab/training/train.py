@@ -26,8 +26,12 @@ a working token representation instead of random residual noise.
 Under ``torchrun`` (a ``torch.distributed`` process group already initialised, gloo on CPU) the model
 is wrapped in DistributedDataParallel; rank ``r`` of ``w`` trains on the batches of data steps
 ``step * w + r`` and rank 0 decides stopping and curriculum moves, broadcast so ranks stay in step;
-only rank 0 saves. ``context(model)`` (optional) wraps the whole loop, e.g. in stochastic KV routing.
-Ignored: mixed lengths within one batch.
+only rank 0 saves. ``context(model)`` (optional) wraps the whole loop, e.g. in stochastic KV routing;
+when the context object has ``state_dict()`` / ``load_state_dict()`` (:class:`ResumableContext`), every
+save (periodic ones too) records each rank's state under ``context_state`` and a part that continues the
+same run (``resume`` is ``out`` or its partial directory) loads it back, so routing draws continue where
+they stopped. With ``warmup_per_part=False`` the warm-up counts from the run's first step
+(``warmup_start`` in the state) instead of restarting with every part. Ignored: mixed lengths within one batch.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -142,6 +146,43 @@ def make_batch(cfg: TrainConfig, length: int, step: int, tokenizer: Any) -> tupl
     return torch.from_numpy(np.concatenate(ids)), torch.from_numpy(np.concatenate(weights)), row_tasks
 
 
+CONTEXT_KEY = "context_state"  # training-state key: one context state_dict() per DDP rank
+
+
+@runtime_checkable
+class ResumableContext(Protocol):
+    """A ``context(model)`` object whose state a resumed run continues (e.g. stochastic KV routing)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _context_states(scope: Any, ddp: bool, world: int) -> dict[str, Any]:
+    """``{CONTEXT_KEY: [state of rank 0, rank 1, ...]}`` (a collective under DDP), or ``{}`` without one."""
+    if not isinstance(scope, ResumableContext):
+        return {}
+    own = scope.state_dict()
+    if not ddp:
+        return {CONTEXT_KEY: [own]}
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, own)
+    return {CONTEXT_KEY: gathered}
+
+
+def _restore_context(scope: Any, saved: Any, rank: int, world: int, where: str | Path) -> None:
+    if saved is None:
+        return
+    if not isinstance(scope, ResumableContext):
+        raise TrainError(f"{str(where)!r} saved a training context state (e.g. routing draws) but this run's context "
+                         "cannot take it; resume with the same routing settings")
+    if not isinstance(saved, list) or len(saved) != world:
+        count = len(saved) if isinstance(saved, list) else "?"
+        raise TrainError(f"{str(where)!r} was saved by {count} training processes, this part runs {world}; resume "
+                         f"with --nproc_per_node {count} so every rank continues its own draws")
+    scope.load_state_dict(saved[rank])
+
+
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
           init_from: str | Path | None = None, progress: bool = True, log: Any = print,
           overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
@@ -159,6 +200,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
 
     out = Path(out_dir)
     same = resume is not None and Path(resume).resolve() == out.resolve()
+    # the same run continues (its draws and lr schedule): resuming from out or its periodic saves
+    continuing = resume is not None and Path(resume).resolve() in (out.resolve(), partial_dir(out).resolve())
     check_output_dir(out, overwrite=overwrite or same)  # before any work: refuse, or fail fast if unwritable
     torch.set_num_threads(cfg.threads)
     dist = torch.distributed
@@ -198,11 +241,17 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     if resume is not None and cfg.resume_length is not None:
         state["length"] = cfg.resume_length
     length, step0, t_start = int(state["length"]), int(state["step"]), time.monotonic()
+    # where warm-up counts from: this part's first step, or (warmup_per_part=False) the run's first step
+    keep_schedule = continuing and not cfg.warmup_per_part and isinstance(state.get("warmup_start"), int)
+    warm0 = int(state["warmup_start"]) if keep_schedule else step0
+    state["warmup_start"] = warm0
     stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
     losses: list[float] = []
     # non-owner layers of a routed pass leave their K/V projections unused: DDP must allow that
     net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
     scope = context(model) if context is not None else nullcontext()
+    saved_context = state.pop(CONTEXT_KEY, None)  # a new run never inherits its start model's context state
+    _restore_context(scope, saved_context if continuing else None, rank, world, resume or out)
     with scope:
         bar = progress_bar(f"train {cfg.arch}", round(budget), enabled=progress, unit="s")
         step = step0
@@ -215,7 +264,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             step_len = cfg.start_length * 2 ** int(pick.integers(math.log2(length // cfg.start_length))) if shorter else length
             ids, weights, row_tasks = make_batch(cfg, step_len, step * world + rank, tokenizer)
             for group in optimizer.param_groups:
-                group["lr"] = _lr(cfg, step - step0, elapsed)
+                group["lr"] = _lr(cfg, step - warm0, elapsed)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
                 logits = net(input_ids=ids, use_cache=False).logits  # (B, T, V)
             logits = logits.float()
@@ -264,11 +313,15 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
                 for w in (*windows.values(), *first_windows.values()):
                     w.clear()
             state["step"], state["length"] = step, length
-            if rank == 0 and now - last_save > cfg.save_every_min * 60:
-                save_run(model, tokenizer, optimizer, partial_dir(out), {**state, "seconds": state["seconds"] + now - t_start})
+            if _agreed(now - last_save > cfg.save_every_min * 60, ddp):
+                extra = _context_states(scope, ddp, world)  # every rank's draws (a collective under DDP)
+                if rank == 0:
+                    save_run(model, tokenizer, optimizer, partial_dir(out),
+                             {**state, "seconds": state["seconds"] + now - t_start, **extra})
                 last_save = now
     bar.close()
     state["seconds"] += time.monotonic() - t_start
+    state.update(_context_states(scope, ddp, world))
     model.eval()
     if rank == 0:
         save_run(model, tokenizer, optimizer, out, state)
@@ -292,5 +345,5 @@ def _agreed(flag: bool, ddp: bool) -> bool:
     return bool(t.item())
 
 
-__all__ = ["ARCHS", "GATE_TASKS", "TASK_MIX", "TrainConfig", "TrainError", "load_state", "make_batch",
-           "model_config", "train"]
+__all__ = ["ARCHS", "CONTEXT_KEY", "GATE_TASKS", "TASK_MIX", "ResumableContext", "TrainConfig", "TrainError",
+           "load_state", "make_batch", "model_config", "train"]
