@@ -45,6 +45,7 @@ from kvstate.serve.scheduler import Job, QueueFull, Scheduler
 log = logging.getLogger("kvstate.serve")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 DONE = "data: [DONE]\n\n"
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
 
 
 class _ClientGone(Exception):
@@ -172,13 +173,16 @@ class _Handlers:
 
     async def result(self, request: Request, job: Job) -> Generation:
         try:
+            checked = time.monotonic()
             while True:
                 try:
-                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
                 except TimeoutError:
+                    kind, payload = "", None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # text deltas may never let the wait time out
+                    checked = time.monotonic()
                     if await request.is_disconnected():
-                        raise _ClientGone() from None
-                    continue
+                        raise _ClientGone()
                 if kind == "done":
                     return payload  # type: ignore[no-any-return]
                 if kind == "error":

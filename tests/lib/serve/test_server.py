@@ -259,3 +259,16 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(slow: Running
     assert 3 <= generated < 100  # stopped long before 200 tokens (10 s at 50 ms a token)
     ok = client(slow).completions.create(model="tiny", prompt="w1", max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_client_that_gives_up_on_a_plain_request_stops_its_generation(slow: Running) -> None:
+    before = slow.metrics()['kvstate_requests_total{outcome="cancelled"}']
+    body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 200}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow.url + "/v1/completions", json=body, timeout=0.5)
+    deadline = time.monotonic() + 10
+    m = slow.metrics()
+    while time.monotonic() < deadline and m['kvstate_requests_total{outcome="cancelled"}'] <= before:
+        time.sleep(0.05)
+        m = slow.metrics()
+    assert m['kvstate_requests_total{outcome="cancelled"}'] == before + 1 and m["kvstate_prefix_pinned_nodes"] == 0
