@@ -75,15 +75,18 @@ class Generator:
 
     def request_bytes(self, tokens: int) -> int:
         """Bytes the prefix cache would hold for a request of ``tokens`` tokens (KV + one state + logits)."""
+        if self.cache is None:
+            return 0
         sc = self.cache.store.config
-        return tokens * sc.kv_bytes_per_token + sc.checkpoint_bytes + sc.logits_bytes
+        return int(tokens * sc.kv_bytes_per_token + sc.checkpoint_bytes + sc.logits_bytes)
 
     def _forward(self, ids: list[int], start: int, cache: Any) -> torch.Tensor:
         """Feed ``ids`` at positions ``start..``; the last position's logits ``(1, V)``."""
         x = torch.tensor([ids], device=self.device)  # (1, t)
         positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # (1, t)
         out = self.model(input_ids=x, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1]
+        logits: torch.Tensor = out.logits[:, -1]  # (1, V)
+        return logits
 
     def _prefill(self, req: GenerationRequest) -> tuple[Any, torch.Tensor, list[int], tuple[int, int, int]]:
         """The cache, the last prompt position's logits, the prompt tokens the cache does not cover yet,

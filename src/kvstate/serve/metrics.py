@@ -101,7 +101,7 @@ def _cache_metrics(cache: Any, pinned_nodes: int) -> Iterator[Metric]:
 
 def registry(generator: Generator, scheduler: Scheduler, counters: ServerCounters) -> CollectorRegistry:
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(_Collector(generator, scheduler, counters))  # type: ignore[arg-type]
+    reg.register(_Collector(generator, scheduler, counters))
     return reg
 
 

@@ -103,7 +103,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One line and the ``param`` for pydantic's (FastAPI's) validation errors of a request body."""
     # a body that is not JSON, or a misspelt field, explains the rest: name it first
     ranked = sorted(errors, key=lambda e: e.get("type") not in ("json_invalid", "extra_forbidden"))
-    first = ranked[0] if ranked else {"msg": "invalid request", "loc": ()}
+    first: dict[str, Any] = ranked[0] if ranked else {"msg": "invalid request", "loc": ()}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     kind = first.get("type", "")

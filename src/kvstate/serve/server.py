@@ -55,7 +55,7 @@ def run(model_dir: str | Path, config: ServeConfig, host: str = "127.0.0.1", por
     from kvstate.serve.app import create_app
 
     check_port(host, port)
-    hf_logging.disable_progress_bar()  # the server logs nothing per load step
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # the server logs nothing per load step
     tokenizer = load_tokenizer(model_dir)  # the cheaper check first
     model = load_model(model_dir)
     app = create_app(model, tokenizer, config)
