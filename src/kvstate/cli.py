@@ -192,6 +192,8 @@ def _register_model_commands() -> None:
 
 
 _register_model_commands()
+app.command("serve", help="An OpenAI-compatible server with the sparse prefix cache under every request.")(
+    __import__("kvstate.serve.cli", fromlist=["serve_command"]).serve_command)
 
 
 def _fail(message: str) -> None:

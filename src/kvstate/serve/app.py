@@ -1,0 +1,336 @@
+"""The FastAPI application: OpenAI's completions and chat completions over one model, plus health and metrics.
+
+Handlers parse and check a request on the event loop (tokenize, render the chat template, check token
+ids, lengths against the model's positions and the cache's budget), then hand a
+:class:`GenerationRequest` to the :class:`Scheduler`; a full queue is a 503 at once. A non-streaming
+handler waits for the worker's result (polling for a client that went away); a streaming one forwards
+each text delta as a server-sent event in OpenAI's chunk format and ends with ``data: [DONE]``. A client
+that disconnects cancels its job (it stops at the next token and inserts nothing). Every refusal is
+OpenAI's error object with a 4xx status (5xx: the queue is full, or a bug), and the server keeps
+serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvstate.errors import KVStateError
+from kvstate.prefix.config import PrefixCacheConfig
+from kvstate.prefix.engine import SparsePrefixCache
+from kvstate.serve import chat, metrics
+from kvstate.serve.config import ServeConfig
+from kvstate.serve.generation import Generation, GenerationRequest, Generator
+from kvstate.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    validation_message,
+)
+from kvstate.serve.scheduler import Job, QueueFull, Scheduler
+
+log = logging.getLogger("kvstate.serve")
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+DONE = "data: [DONE]\n\n"
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _usage(g: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": g.prompt_tokens,
+        "completion_tokens": g.completion_tokens,
+        "total_tokens": g.prompt_tokens + g.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": g.reused_tokens},
+    }
+
+
+def _worker_error(exc: BaseException) -> RequestError:
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, KVStateError):
+        return RequestError(str(exc))
+    log.error("generation failed", exc_info=exc)
+    return RequestError(f"generation failed ({type(exc).__name__}: {exc}); the server keeps serving",
+                        status=500, kind="server_error")
+
+
+class _Handlers:
+    """The checks and the hand-off shared by both generation endpoints."""
+
+    def __init__(self, generator: Generator, tokenizer: Any, config: ServeConfig, scheduler: Scheduler,
+                 counters: metrics.ServerCounters) -> None:
+        self.gen, self.tok, self.config, self.scheduler, self.counters = (
+            generator, tokenizer, config, scheduler, counters)
+        self.template = chat.template_of(tokenizer, config.chat_template)
+
+    # -- checks ------------------------------------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_id:
+            raise RequestError(f"model {name!r} is not served here; pass model={self.config.model_id!r} (see "
+                               "/v1/models)", status=404, param="model", code="model_not_found")
+
+    def limits(self, ids: list[int], max_tokens: int | None, param: str, default: int, prompt_param: str) -> int:
+        """``max_tokens`` (named ``param``; ``default`` when None) checked against the model's positions and the
+        cache's budget; ``prompt_param`` names the prompt's field."""
+        n, pos = len(ids), self.gen.max_positions
+        if max_tokens is not None and (max_tokens < 1 or (pos is not None and max_tokens > pos)):
+            raise RequestError(f"{param}={max_tokens} must be in 1..{pos if pos is not None else 'inf'} (the "
+                               "model's positions)", param=param)
+        if pos is not None and n >= pos:
+            raise RequestError(f"the prompt has {n} tokens but the model has {pos} positions; shorten it",
+                               param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(default, pos - n) if pos is not None else default
+        if pos is not None and n + max_tokens > pos:
+            raise RequestError(f"the model has {pos} positions but {n + max_tokens} were requested ({n} in the "
+                               f"prompt, {max_tokens} in the reply); lower {param} or shorten the prompt",
+                               param=param, code="context_length_exceeded")
+        if self.gen.cache is not None:
+            need, budget = self.gen.request_bytes(n + max_tokens), self.config.budget_bytes
+            if budget is not None and need > budget:
+                raise RequestError(f"this request needs about {need:,} bytes of prefix cache ({n} prompt + "
+                                   f"{max_tokens} reply tokens), over the cache budget of {budget:,} bytes; "
+                                   f"shorten it, lower {param}, or start the server with a larger --budget-bytes",
+                                   param=param, code="cache_budget_exceeded")
+        return max_tokens
+
+    def completion(self, req: CompletionRequest) -> GenerationRequest:
+        self.check_model(req.model)
+        req.check_sampling()
+        stops = req.stops()
+        prompt: Any = req.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise RequestError(f"prompt: this server takes one prompt per request, got {len(prompt)}; send "
+                                   "them as separate requests", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = list(self.tok(prompt)["input_ids"])
+        else:
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.gen.vocab_size]
+            if bad:
+                raise RequestError(f"prompt: token ids {bad[:5]} are outside the vocabulary 0..{self.gen.vocab_size - 1}",
+                                   param="prompt")
+        if not ids:
+            raise RequestError("prompt: empty; send at least one token", param="prompt")
+        max_tokens = self.limits(ids, req.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        return GenerationRequest(tuple(ids), max_tokens, stops)
+
+    def chat(self, req: ChatRequest) -> GenerationRequest:
+        self.check_model(req.model)
+        req.check_sampling()
+        stops = req.stops()
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise RequestError("max_tokens and max_completion_tokens differ; pass one of them",
+                               param="max_completion_tokens")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                    for m in req.messages]
+        ids = chat.render(self.tok, self.template, messages, generation_prompt=True)
+        if not ids:
+            raise RequestError("messages: the chat template renders them to no tokens", param="messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self.limits(ids, asked, param,
+                                 self.config.default_max_tokens, "messages")
+        ends = chat.message_ends(self.tok, self.template, messages, ids) if self.gen.accepts_boundaries else []
+        return GenerationRequest(tuple(ids), max_tokens, stops, tuple(ends))
+
+    # -- hand-off ----------------------------------------------------------------------------------
+    def _work(self, gr: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Generation:
+        g = self.gen.run(gr, emit, cancelled)
+        self.counters.generation(g)
+        return g
+
+    def submit(self, gr: GenerationRequest) -> Job:
+        try:
+            return self.scheduler.submit(partial(self._work, gr))
+        except QueueFull as exc:
+            self.counters.outcome("queue_full")
+            raise RequestError(str(exc), status=503, kind="server_error", code="queue_full") from None
+
+    async def result(self, request: Request, job: Job) -> Generation:
+        try:
+            checked = time.monotonic()
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=DISCONNECT_POLL_S)
+                except TimeoutError:
+                    kind, payload = "", None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # text deltas may never let the wait time out
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                if kind == "done":
+                    return payload  # type: ignore[no-any-return]
+                if kind == "error":
+                    raise _worker_error(payload)
+                if kind == "cancelled":
+                    raise _ClientGone()
+        finally:
+            job.cancel()  # a no-op once the job is over; stops it when the client left or the server stops
+
+    async def stream(self, job: Job, chunk: Callable[[str | None, str | None], dict[str, Any]],
+                     usage: Callable[[Generation], dict[str, Any]] | None,
+                     first: dict[str, Any] | None) -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield _sse(first)
+            while True:
+                kind, payload = await job.events.get()
+                if kind == "delta":
+                    yield _sse(chunk(payload, None))
+                elif kind == "done":
+                    yield _sse(chunk(None, payload.finish_reason))
+                    if usage is not None:
+                        yield _sse(usage(payload))
+                    yield DONE
+                    return
+                elif kind == "error":
+                    yield _sse(_worker_error(payload).body())
+                    yield DONE
+                    return
+                else:  # cancelled
+                    return
+        finally:
+            job.cancel()  # the client went away (the stream was cancelled), or the job is already over
+
+
+def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
+    """The server for one loaded model and its tokenizer (see :func:`kvstate.serve.server.run`)."""
+    cache = None
+    if config.budget_bytes is not None:
+        cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes))
+    generator = Generator(model, tokenizer, cache)
+    counters = metrics.ServerCounters()
+    scheduler = Scheduler(config.max_queue, on_job_end=counters.outcome)
+    registry = metrics.registry(generator, scheduler, counters)
+    h = _Handlers(generator, tokenizer, config, scheduler, counters)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="kvstate serve", lifespan=lifespan)
+    app.state.generator, app.state.scheduler, app.state.counters = generator, scheduler, counters
+
+    def refuse(exc: RequestError) -> JSONResponse:
+        if exc.status < 500:
+            counters.outcome("invalid")
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return refuse(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(exc.errors()))
+        return refuse(RequestError(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(_worker_error(exc).body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": config.model_id, "prefix_cache": cache is not None}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": created,
+                                            "owned_by": "kvstate", "max_model_len": generator.max_positions}]}
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)
+
+    def head(kind: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+        return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+                "model": config.model_id}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        job = h.submit(h.completion(body))
+        if body.stream:
+            top = head("text_completion")
+
+            def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+                return {**top, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                            "finish_reason": finish}]}
+
+            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), None))
+        try:
+            g = await h.result(request, job)
+        except _ClientGone:
+            return Response(status_code=499)
+        return {**head("text_completion"), "choices": [{"index": 0, "text": g.text, "logprobs": None,
+                                                        "finish_reason": g.finish_reason}], "usage": _usage(g)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
+        job = h.submit(h.chat(body))
+        if body.stream:
+            top = head("chat.completion.chunk")
+
+            def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+                delta = {} if text is None else {"content": text}
+                return {**top, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+            first = {**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]}
+            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), first))
+        try:
+            g = await h.result(request, job)
+        except _ClientGone:
+            return Response(status_code=499)
+        message = {"role": "assistant", "content": g.text}
+        return {**head("chat.completion"), "choices": [{"index": 0, "message": message, "logprobs": None,
+                                                        "finish_reason": g.finish_reason}], "usage": _usage(g)}
+
+    return app
+
+
+def _usage_chunk(top: dict[str, Any], body: CompletionRequest | ChatRequest
+                 ) -> Callable[[Generation], dict[str, Any]] | None:
+    if body.stream_options is None or not body.stream_options.include_usage:
+        return None
+    return lambda g: {**top, "choices": [], "usage": _usage(g)}
+
+
+def _streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

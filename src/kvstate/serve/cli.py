@@ -1,0 +1,31 @@
+"""``kvstate serve``: the command's options (registered by ``kvstate.cli``); the work is in :mod:`kvstate.serve.server`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve_command(
+    model: Annotated[Path, typer.Option("--model", help="A local model directory with its tokenizer.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    budget_bytes: Annotated[int, typer.Option("--budget-bytes", min=1, help="Prefix cache byte budget.")] = 1 << 30,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Serve without the prefix cache (to compare).")] = False,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait; more get 503.")] = 8,
+    served_name: Annotated[str | None, typer.Option("--served-model-name",
+                                                    help="Model name clients pass (default: the directory's name).")] = None,
+) -> None:
+    """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
+    cache under every request."""
+    from kvstate.serve.config import ServeConfig
+    from kvstate.serve.server import run
+
+    config = ServeConfig(
+        model_id=served_name or model.resolve().name,
+        budget_bytes=None if no_cache else budget_bytes,
+        max_queue=max_queue,
+    )
+    run(model, config, host=host, port=port)

@@ -1,0 +1,30 @@
+"""The server's one configuration (pure): model name, prefix-cache budget, queue bound, default reply length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvstate.errors import KVStateError
+from kvstate.validate import check_int
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_id: str  # the name /v1/models lists and requests must name
+    budget_bytes: int | None = 1 << 30  # prefix-cache byte budget; None serves without a prefix cache
+    max_queue: int = 8  # requests waiting behind the running one; one more is answered 503 at once
+    default_max_tokens: int = 256  # a chat request without max_tokens (completions default to 16, as OpenAI's)
+    chat_template: str | None = None  # a Jinja chat template overriding the tokenizer's (and the default)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_id, str) or not self.model_id.strip():
+            raise KVStateError(f"model_id: must be a non-empty name, got {self.model_id!r}")
+        if self.budget_bytes is not None:
+            check_int("budget_bytes", self.budget_bytes, 1, error=KVStateError,
+                      hint="; pass the prefix cache's byte budget, or None for no cache")
+        check_int("max_queue", self.max_queue, 1, 1 << 20, error=KVStateError)
+        check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.budget_bytes is not None

@@ -1,0 +1,109 @@
+"""``/metrics``: the server's and the prefix cache's counters in the Prometheus text format.
+
+A ``prometheus_client`` collector on a registry of its own (several servers in one process do not
+share counters) reads everything at scrape time: the store's :class:`StoreMetrics` snapshot (requests,
+hits, prompt tokens reused / recomputed / lost to a missing checkpoint, bytes held by kind, evictions,
+rejected inserts), the store nodes left pinned after the last request, the queue's depth and the
+server's own request outcomes and token counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvstate.serve.generation import Generation, Generator
+from kvstate.serve.scheduler import Scheduler
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerCounters:
+    """Request outcomes and token totals, counted by the server whether or not a prefix cache is on."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()
+
+    def outcome(self, name: str) -> None:
+        with self._lock:
+            self.outcomes[name] += 1
+
+    def generation(self, g: Generation) -> None:
+        with self._lock:
+            self.tokens["prompt"] += g.prompt_tokens
+            self.tokens["completion"] += g.completion_tokens
+            self.tokens["reused"] += g.reused_tokens
+            self.tokens["recomputed"] += g.recomputed_tokens
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.outcomes), dict(self.tokens)
+
+
+class _Collector:
+    def __init__(self, generator: Generator, scheduler: Scheduler, counters: ServerCounters) -> None:
+        self.generator, self.scheduler, self.counters = generator, scheduler, counters
+
+    def collect(self) -> Iterator[Metric]:
+        outcomes, tokens = self.counters.snapshot()
+        c = CounterMetricFamily("kvstate_requests", "HTTP generation requests by outcome", labels=["outcome"])
+        for name in ("ok", "cancelled", "queue_full", "invalid", "error"):
+            c.add_metric([name], outcomes.get(name, 0))
+        yield c
+        t = CounterMetricFamily("kvstate_tokens", "Tokens served, by kind (prompt tokens reused from "
+                                "the prefix cache or recomputed)", labels=["kind"])
+        for name in ("prompt", "completion", "reused", "recomputed"):
+            t.add_metric([name], tokens.get(name, 0))
+        yield t
+        yield GaugeMetricFamily("kvstate_queue_depth", "Requests waiting for the model", value=self.scheduler.depth)
+        yield GaugeMetricFamily("kvstate_queue_capacity", "Requests that may wait (--max-queue)",
+                                value=self.scheduler.max_queue)
+        yield GaugeMetricFamily("kvstate_running_requests", "Requests being generated now",
+                                value=self.scheduler.running)
+        cache = self.generator.cache
+        yield GaugeMetricFamily("kvstate_prefix_cache_enabled", "1 when a prefix cache serves requests",
+                                value=int(cache is not None))
+        if cache is not None:
+            yield from _cache_metrics(cache, self.generator.pinned_nodes)
+
+
+def _cache_metrics(cache: Any, pinned_nodes: int) -> Iterator[Metric]:
+    m = cache.metrics
+    for name, value, doc in (
+        ("requests", m.requests, "Prefills served by the prefix cache"),
+        ("hits", m.hits, "Prefills that resumed from a stored state"),
+        ("prompt_tokens", m.tokens_total, "Prompt tokens of every prefill"),
+        ("reused_tokens", m.tokens_reused, "Prompt tokens restored instead of computed"),
+        ("recomputed_tokens", m.tokens_recomputed, "Prompt tokens run through the model"),
+        ("lost_tokens", m.tokens_lost_to_missing_checkpoint, "Tokens stored but recomputed for want of a checkpoint"),
+        ("evicted_nodes", m.evicted_nodes, "Radix-tree nodes evicted under the budget"),
+        ("evicted_states", m.evicted_states, "Recurrent states evicted under the budget"),
+        ("rejected_inserts", m.rejected_inserts, "Inserts that did not fit the budget"),
+    ):
+        yield CounterMetricFamily(f"kvstate_prefix_{name}", doc, value=value)
+    b = GaugeMetricFamily("kvstate_prefix_bytes", "Bytes the prefix cache holds, by kind", labels=["kind"])
+    for kind, value in cache.bytes_by_kind().items():
+        b.add_metric([kind], value)
+    yield b
+    yield GaugeMetricFamily("kvstate_prefix_peak_bytes", "Most bytes held at once", value=m.peak_bytes)
+    yield GaugeMetricFamily("kvstate_prefix_budget_bytes", "The prefix cache's byte budget",
+                            value=cache.config.budget_bytes)
+    yield GaugeMetricFamily("kvstate_prefix_pinned_nodes", "Store nodes pinned after the last request",
+                            value=pinned_nodes)
+
+
+def registry(generator: Generator, scheduler: Scheduler, counters: ServerCounters) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector(generator, scheduler, counters))
+    return reg
+
+
+def render(reg: CollectorRegistry) -> bytes:
+    return generate_latest(reg)

@@ -1,0 +1,62 @@
+"""Loading a model directory for serving and running the server under uvicorn (``kvstate serve``).
+
+The model is loaded with :func:`kvstate.models.load_model` (checked: config, weights, manifest) and
+its tokenizer with transformers' ``AutoTokenizer`` from the same directory, offline; a directory
+without a tokenizer, or a port that cannot be bound, is one :class:`KVStateError` naming the fix.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from kvstate.errors import KVStateError, ModelLoadError
+from kvstate.models import load_model
+from kvstate.serve.config import ServeConfig
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved next to a model (``tokenizer.json`` / ``tokenizer_config.json``), offline."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelLoadError(f"{str(p)!r} holds no tokenizer (tokenizer.json / tokenizer_config.json); save one "
+                             "with tokenizer.save_pretrained(DIR) next to the model")
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"the tokenizer in {str(p)!r} could not be loaded ({' '.join(str(exc).split())[:300]}); "
+                             "re-save it with tokenizer.save_pretrained(DIR)") from None
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse a host/port that cannot be bound before the model is loaded."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise KVStateError(f"--host {host!r} does not resolve ({exc}); pass an address such as 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise KVStateError(f"--host {host} --port {port} cannot be bound ({exc.strerror or exc}); pass a free "
+                               "--port") from None
+
+
+def run(model_dir: str | Path, config: ServeConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Load ``model_dir`` and serve it until interrupted."""
+    import uvicorn
+    from transformers.utils import logging as hf_logging
+
+    from kvstate.serve.app import create_app
+
+    check_port(host, port)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # the server logs nothing per load step
+    tokenizer = load_tokenizer(model_dir)  # the cheaper check first
+    model = load_model(model_dir)
+    app = create_app(model, tokenizer, config)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
