@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvstate"
-TECHNIQUES = ("models", "prefix", "depth", "semantic", "transfer")
+TECHNIQUES = ("models", "prefix", "depth", "semantic", "transfer", "serve")
 # library modules that import transformers outside models/ and lab/, each with its reason
 TRANSFORMERS_ELSEWHERE = {
     "depth/attention.py": "registers the routed attention through transformers' AttentionInterface",
@@ -21,6 +21,8 @@ TRANSFORMERS_ELSEWHERE = {
     "semantic/cache.py": "SemanticCache subclasses transformers' Cache so model.generate accepts it",
     "prefix/segments.py": "assembles stored KV segments into transformers' DynamicCache / DynamicLayer",
     "transfer/states.py": "builds the consumer's DynamicCache from decoded K/V",
+    "serve/server.py": "loads the served model's tokenizer (AutoTokenizer) and config",
+    "serve/generation.py": "reads the served model's config and cache classes while generating",
 }
 
 
@@ -103,7 +105,7 @@ def test_no_import_cycle_between_packages() -> None:
 
 def test_axes_stand_on_models_only() -> None:
     """The four axes import the library root and models/, never each other: they sit on one floor."""
-    axes = ("prefix", "depth", "semantic", "transfer")
+    axes = ("prefix", "depth", "semantic", "transfer")  # serve/ is a deployment layer above prefix/
     crossings = []
     for a in axes:
         for p in (SRC / a).rglob("*.py"):
