@@ -43,8 +43,12 @@ class SegmentConfig:
                 raise ValueError(f"SegmentConfig.{name}={v!r} must be an int in [0, 4096]")
         if not isinstance(self.min_span, int) or not 1 <= self.min_span <= 1024:
             raise ValueError(f"SegmentConfig.min_span={self.min_span!r} must be an int in [1, 1024]")
-        if not isinstance(self.max_span, int) or not self.min_span <= self.max_span <= 4096:
-            raise ValueError(f"SegmentConfig.max_span={self.max_span!r} must be an int in [min_span={self.min_span}, 4096]")
+        # max_span >= 2 * min_span - 1: then every run of at least min_span tokens splits evenly into spans of
+        # min_span..max_span tokens (a run of 3 with min = max = 2 could not)
+        lo = 2 * self.min_span - 1
+        if not isinstance(self.max_span, int) or not lo <= self.max_span <= 4096:
+            raise ValueError(f"SegmentConfig.max_span={self.max_span!r} must be an int in [2 * min_span - 1 = {lo}, 4096] "
+                             "so that every run splits into spans within [min_span, max_span]")
         if self.anchor_fraction is not None and self.threshold is not None:
             raise ValueError("SegmentConfig: give anchor_fraction or threshold, not both")
         if self.anchor_fraction is not None and not 0.0 <= self.anchor_fraction <= 1.0:

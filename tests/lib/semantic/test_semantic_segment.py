@@ -42,7 +42,7 @@ def reference(s, cfg, k):
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(0, 4), st.integers(0, 6),
        st.integers(1, 4), st.integers(0, 5), st.integers(0, 30))
 def test_segment_matches_reference(vals, sinks, recent, min_span, extra, k):
-    cfg = SegmentConfig(sinks=sinks, recent=recent, min_span=min_span, max_span=min_span + extra)
+    cfg = SegmentConfig(sinks=sinks, recent=recent, min_span=min_span, max_span=2 * min_span - 1 + extra)
     s = np.array(vals, dtype=float)
     seg = segment(s, cfg, n_anchors=k)
     anchors, spans = reference(list(s), cfg, k)
@@ -51,6 +51,15 @@ def test_segment_matches_reference(vals, sinks, recent, min_span, extra, k):
     covered = sorted(seg.anchors.tolist() + [t for a, b in spans for t in range(a, b)])
     assert covered == list(range(len(s)))
     assert all(cfg.min_span <= b - a <= cfg.max_span for a, b in spans)
+
+
+def test_span_limits_that_cannot_split_every_run_are_refused():
+    # a run of 3 tokens cannot be cut into spans of exactly 2: found by hypothesis (vals=[0,0,0], min=max=2)
+    with pytest.raises(ValueError, match="2 \\* min_span - 1"):
+        SegmentConfig(min_span=2, max_span=2)
+    cfg = SegmentConfig(sinks=0, recent=0, min_span=2, max_span=3)
+    seg = segment(np.zeros(3), cfg, n_anchors=0)
+    assert seg.spans.tolist() == [[0, 3]] and seg.anchors.tolist() == []
 
 
 def test_threshold_and_fraction_modes():
