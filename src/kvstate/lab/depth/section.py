@@ -37,7 +37,7 @@ COLORS = dict(zip(LABELS, ("C0", "C1", "C2", "C3", "C4"), strict=True))  # one c
 
 def eval_command(name: str) -> str:
     """The command that regenerates ``models/<name>/depth_eval.json`` (a run appended to the file)."""
-    return (f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5,0.25 --n 100 --seed 1000 --json "
+    return (f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5,0.25 --n 25 --seed 1000 --json "
             f"--out models/{name}/{EVAL_FILE}")
 
 

@@ -23,6 +23,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
+from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import extract_answer, f1, score
@@ -150,7 +151,9 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
         cms = statistics.median(r["ms"])
         mean_tokens = sum(r["tokens"]) / len(r["tokens"])
         ttft = {f"{b:g}": round(bpt * mean_tokens * 8 / (b * 1e9) * 1e3 + cms, 3) for b in cfg.bandwidths_gbit}
-        results.append({"method": m, "score": round(sum(r["score"]) / len(r["score"]), 4),
+        est = stats.rate(r["score"], seed=cfg.seed)
+        results.append({"method": m, "score": round(est.value, 4), "score_ci": [round(est.lo, 4), round(est.hi, 4)],
+                        "n": est.n, "items": [round(float(s), 4) for s in r["score"]],
                         "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4),
                         "payload_bytes_per_token": round(bpt, 2), "consumer_ms": round(cms, 3), "ttft_ms": ttft,
                         "loopback_ms": round(loop.get(m, 0.0), 3),
