@@ -16,14 +16,13 @@ from kvstate.lab.harness import (
     LengthTooShortError,
     MissingTokenizerError,
     UnknownTaskError,
-    cache_nbytes,
     load_reference,
     perplexity,
     run_tasks,
 )
 from kvstate.lab.workloads import build_tokenizer, oracle_answer
 from kvstate.lab.workloads.tasks import Example, min_length
-from kvstate.models import kv_bytes_per_token, tiny_model
+from kvstate.models import cache_nbytes, kv_bytes_per_token, tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from kvstate.lab.decode import DecodeResult, forward_at, greedy_decode
 from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import score
 from kvstate.lab.workloads.tasks import DEPTH_TASKS, TASKS, Example, generate, min_length
+from kvstate.models.accounting import cache_nbytes
 
 CacheFactory = Callable[[Any], Any]  # model -> a fresh transformers Cache for one example
 SCORED_TASKS = tuple(t for t in TASKS if t != "text")  # tasks with an answer to score
@@ -177,24 +178,6 @@ def check_lengths_fit(config: Any, lengths: Sequence[int], max_new_tokens: int |
         if length + room > limit:
             raise LengthTooLongError(f"length {length:,} + {room} tokens for <bos> and the answer exceeds the model's "
                                      f"max_position_embeddings={limit:,}; pass --length <= {limit - room:,}")
-
-
-def cache_nbytes(cache: Any) -> int:
-    """Bytes of every tensor a cache holds: its layers' attributes, including lists / dicts of tensors."""
-    def walk(obj: Any, depth: int = 0) -> int:
-        if isinstance(obj, torch.Tensor):
-            return obj.nbytes
-        if depth > 2:
-            return 0
-        if isinstance(obj, (list, tuple)):
-            return sum(walk(v, depth + 1) for v in obj)
-        if isinstance(obj, dict):
-            return sum(walk(v, depth + 1) for v in obj.values())
-        return 0
-
-    layers = getattr(cache, "layers", None)
-    holders = layers if layers is not None else [cache]
-    return sum(walk(v) for layer in holders for v in vars(layer).values())
 
 
 def default_cache(model: Any) -> Any:

@@ -7,6 +7,7 @@ supported family.
 
 from kvstate.models.accounting import (
     StateInfo,
+    cache_nbytes,
     checkpoint_bytes,
     describe,
     kv_bytes_per_token,
@@ -44,6 +45,7 @@ __all__ = [
     "RecurrentState",
     "ResumableCache",
     "StateInfo",
+    "cache_nbytes",
     "checkpoint_bytes",
     "chunk_size",
     "describe",

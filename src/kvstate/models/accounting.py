@@ -112,6 +112,27 @@ class StateInfo:
         }
 
 
+def cache_nbytes(cache: Any) -> int:
+    """Bytes of every tensor a cache holds, measured (its layers' attributes, including lists / dicts of tensors).
+
+    The one meaning of a cache's ``nbytes`` across kvstate: what is held, not a formula; compare
+    :func:`kv_bytes_per_token` / :func:`checkpoint_bytes`, which predict it from the config."""
+    def walk(obj: Any, depth: int = 0) -> int:
+        if isinstance(obj, torch.Tensor):
+            return obj.nbytes
+        if depth > 2:
+            return 0
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v, depth + 1) for v in obj)
+        if isinstance(obj, dict):
+            return sum(walk(v, depth + 1) for v in obj.values())
+        return 0
+
+    layers = getattr(cache, "layers", None)
+    holders = layers if layers is not None else [cache]
+    return sum(walk(v) for layer in holders for v in vars(layer).values())
+
+
 def describe(config: Any, dtype: torch.dtype | None = None) -> StateInfo:
     """The state accounting of a config; :class:`~kvstate.errors.ModelConfigError` for impossible values."""
     family_of(config)  # an unsupported family is named before its fields are checked

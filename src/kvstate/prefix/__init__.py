@@ -16,7 +16,6 @@ from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.histogram import OverlapHistogram, regret_bound, total_variation
 from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
-from kvstate.prefix.radix import EntryId, RadixIndex
 from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
 from kvstate.prefix.tree_placement import (
     PrefixTree,
@@ -28,7 +27,6 @@ from kvstate.prefix.tree_placement import (
 
 __all__ = [
     "METHODS",
-    "EntryId",
     "Hit",
     "OverlapHistogram",
     "Policy",
@@ -36,7 +34,6 @@ __all__ = [
     "PrefixCacheConfig",
     "PrefixStore",
     "PrefixTree",
-    "RadixIndex",
     "SparsePrefixCache",
     "StoreConfig",
     "StoreMetrics",

@@ -9,8 +9,9 @@ from transformers import DynamicCache
 from kvstate.errors import KVStateError, UnsupportedModelError
 from kvstate.lab.depth.kv1 import init_kv1, merge_kv_heads
 from kvstate.lab.depth.train import DepthTrainConfig, depth_train
-from kvstate.lab.harness import cache_nbytes, load_reference
+from kvstate.lab.harness import load_reference
 from kvstate.lab.training.train import load_state
+from kvstate.models import cache_nbytes
 from kvstate.models.tiny import tiny_model
 from tests.lab.depth.conftest import FAST
 

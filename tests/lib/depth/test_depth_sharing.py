@@ -12,7 +12,7 @@ from kvstate.depth.patterns import PatternError, cla, keep, none, parse_pattern,
 from kvstate.depth.routing import StochasticKVRouting
 from kvstate.depth.sharing import apply_sharing, kv_bytes, sharing_cache
 from kvstate.errors import UnsupportedModelError
-from kvstate.lab.harness import cache_nbytes
+from kvstate.models import cache_nbytes
 from kvstate.models.families import text_config
 from kvstate.models.state import restore_cache, snapshot_cache
 from kvstate.models.tiny import tiny_model

@@ -9,22 +9,19 @@ an existing ``DIR`` that is not a kvstate report is refused before any work star
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
 from kvstate.errors import KVStateError
 from kvstate.io_safety import check_output_dir, staged_dir
 from kvstate.lab.depth import section as depth_section
 from kvstate.lab.prefix import replay_section
 from kvstate.lab.prefix import section as prefix_section
+from kvstate.lab.progress import progress_bar
+from kvstate.lab.provenance import environment, git_commit
 from kvstate.lab.report import eval_section, model_state
 from kvstate.lab.report.html import GENERATOR, Section, write_report
 from kvstate.lab.semantic import section as semantic_section
@@ -60,37 +57,10 @@ def is_report_dir(path: Path) -> bool:
     return f"content='{GENERATOR}'" in head or "<title>kvstate report</title>" in head  # current / first format
 
 
-def git_commit() -> str:
-    """The commit of the source tree the report ran from ("+ uncommitted changes" when dirty)."""
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown (not a git checkout)"
-    return f"{head} + uncommitted changes" if dirty else head
-
-
 def run_settings() -> dict[str, Any]:
-    """What a reader needs to reproduce the numbers: machine threads, library versions, commit."""
-    import numpy
-    import torch
-    import transformers
-
-    return {
-        "started_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
-        "git_commit": git_commit(),
-        "torch_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
-        "cpu_count": os.cpu_count() or 0,
-        "machine": f"{platform.system()} {platform.machine()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "numpy": numpy.__version__,
-    }
+    """What a reader needs to reproduce the numbers: start time, commit, machine threads, library versions."""
+    return {"started_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"), "git_commit": git_commit(),
+            **environment()}
 
 
 def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[str] | None = None) -> Path:
@@ -106,15 +76,14 @@ def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[st
     t_start = time.perf_counter()
     with staged_dir(out_dir) as staging:  # the previous report stays whole until this one is complete
         sections: list[Section] = []
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn()) as progress:
-            task = progress.add_task("report", total=len(chosen))
+        with progress_bar("report", len(chosen), unit="sections") as bar:
             for name, builder in chosen:
-                progress.update(task, description=f"section: {name}")
+                bar.note(f"section: {name}")
                 t0 = time.perf_counter()
                 section = builder(staging, models_dir)
                 section.seconds = round(time.perf_counter() - t0, 1)
                 sections.append(section)
-                progress.advance(task)
+                bar.advance()
         run["wall_seconds"] = round(time.perf_counter() - t_start, 1)
         write_report(staging, sections, run)
         # again: something other than a report may have been written there while the sections ran
