@@ -76,7 +76,7 @@ class _DeclaringCache(SparsePrefixCache):
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 boundaries: list[int] | None = None) -> Any:
         self.seen.append(list(boundaries or []))
-        return super().prefill(input_ids, attention_mask)
+        return super().prefill(input_ids, attention_mask, boundaries=boundaries)
 
 
 def test_message_ends_reach_an_engine_that_takes_boundaries(tiny: tuple[Any, Any]) -> None:
@@ -84,7 +84,7 @@ def test_message_ends_reach_an_engine_that_takes_boundaries(tiny: tuple[Any, Any
     cache = _DeclaringCache(model, 1 << 28)
     cache.seen = []
     gen = Generator(model, tok, cache)
-    assert gen.accepts_boundaries and not Generator(model, tok, SparsePrefixCache(model, 1 << 28)).accepts_boundaries
+    assert gen.accepts_boundaries and Generator(model, tok, SparsePrefixCache(model, 1 << 28)).accepts_boundaries
     h = _Handlers(gen, tok, ServeConfig("tiny"), Scheduler(1), ServerCounters())
     req = ChatRequest(model="tiny", max_tokens=2, messages=[{"role": "system", "content": "w1 w2 w3"},
                                                              {"role": "user", "content": "w4 ?"}])
