@@ -60,8 +60,10 @@ def package_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) < 2:
         return module
-    if parts[1] in ("lab", "cli"):
-        return f"kvstate.{parts[1]}"
+    if parts[1] == "cli":
+        return "kvstate.cli"
+    if parts[1] == "lab":  # the lab's subpackages are rooms of their own: the lab has no cycle inside either
+        return ".".join(parts[:3]) if len(parts) > 2 and (SRC / "lab" / parts[2]).is_dir() else "kvstate.lab"
     return ".".join(parts[:2]) if (SRC / parts[1]).is_dir() else "kvstate"
 
 

@@ -89,7 +89,7 @@ def report(
     report untouched. A DIR that exists and is not a kvstate report is refused.
     """
     from kvstate.io_safety import check_output_dir
-    from kvstate.lab.report.build import build_report
+    from kvstate.lab.make.build import build_report
 
     check_output_dir(out, overwrite=True)  # an unwritable --out fails before the sections run
     index = build_report(out, models_dir, only=section or None)
@@ -180,7 +180,7 @@ def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ign
 
 
 def _register_model_commands() -> None:
-    from kvstate.lab.cli_models import eval_command, train_command
+    from kvstate.lab.training.cli import eval_command, train_command
 
     app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
     app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
@@ -188,7 +188,7 @@ def _register_model_commands() -> None:
     app.add_typer(__import__("kvstate.lab.depth.cli", fromlist=["app"]).app, name="depth")
     app.add_typer(__import__("kvstate.lab.semantic.cli", fromlist=["app"]).app, name="semantic")
     app.add_typer(__import__("kvstate.lab.transfer.cli", fromlist=["app"]).app, name="transfer")
-    app.add_typer(__import__("kvstate.lab.cli", fromlist=["app"]).app, name="lab")
+    app.add_typer(__import__("kvstate.lab.make.cli", fromlist=["app"]).app, name="lab")
 
 
 _register_model_commands()

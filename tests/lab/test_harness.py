@@ -10,7 +10,6 @@ import torch
 import transformers as tf
 
 from kvstate.errors import KVStateError
-from kvstate.lab.cli_models import eval_command
 from kvstate.lab.harness import (
     SCORED_TASKS,
     LengthTooShortError,
@@ -20,6 +19,7 @@ from kvstate.lab.harness import (
     perplexity,
     run_tasks,
 )
+from kvstate.lab.training.cli import eval_command
 from kvstate.lab.workloads import build_tokenizer, oracle_answer
 from kvstate.lab.workloads.tasks import Example, min_length
 from kvstate.models import cache_nbytes, kv_bytes_per_token, tiny_model

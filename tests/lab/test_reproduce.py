@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvstate.errors import KVStateError
-from kvstate.lab import reproduce as R
-from kvstate.lab import retrain as T
+from kvstate.lab.make import reproduce as R
+from kvstate.lab.training import retrain as T
 
 
 def test_every_result_file_a_section_reads_has_a_job():

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvstate.lab.make import build as build_mod
 from kvstate.lab.prefix import section as prefix_section
-from kvstate.lab.report import build as build_mod
 from kvstate.lab.report import plots
 from kvstate.lab.report.browser import INSTALL_HINT, check_page, find_chromium
 from kvstate.lab.report.html import COLLAPSE_ROWS, Figure, Section, Table, headline_lede, run_row

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from kvstate.errors import KVStateError, OutputError
-from kvstate.lab.report import build as build_mod
+from kvstate.lab.make import build as build_mod
+from kvstate.lab.make.build import build_report, is_report_dir
 from kvstate.lab.report import plots
-from kvstate.lab.report.build import build_report, is_report_dir
 from kvstate.lab.report.html import (
     COLLAPSE_ROWS,
     SCHEMA_VERSION,

@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 
 from kvstate.errors import KVStateError
-from kvstate.lab.cli_models import parse_overrides, train_command
+from kvstate.lab.training.cli import parse_overrides, train_command
 from kvstate.lab.training.train import (
     TrainConfig,
     TrainError,

@@ -41,8 +41,8 @@ def train_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.console import Console
 
-    from kvstate.lab.cli_models import parse_overrides
     from kvstate.lab.depth.train import DepthTrainConfig, depth_train
+    from kvstate.lab.training.cli import parse_overrides
 
     cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule)
     extra = parse_overrides(overrides or [])

@@ -3,7 +3,7 @@
 How a technique adds a section (the whole interface)
 ----------------------------------------------------
 Write ``src/kvstate/lab/report/<name>_section.py`` with ``build(out_dir: Path, models_dir: Path) -> Section`` and
-add one line to ``SECTIONS`` in :mod:`kvstate.lab.report.build`. ``build`` writes its PNG figures into
+add one line to ``SECTIONS`` in :mod:`kvstate.lab.make.build`. ``build`` writes its PNG figures into
 ``out_dir`` (a temporary directory that replaces the report only when every section has finished) and
 returns a :class:`Section`:
 
@@ -34,7 +34,7 @@ Minimal example::
                    summary={"accuracy_drop": drop})
 
 :func:`render` turns sections into the page; :func:`write_report` writes ``index.html`` and
-``summary.json`` (schema ``SCHEMA_VERSION``) into a directory; :mod:`kvstate.lab.report.build` runs the sections
+``summary.json`` (schema ``SCHEMA_VERSION``) into a directory; :mod:`kvstate.lab.make.build` runs the sections
 and swaps the finished directory into place.
 """
 

@@ -225,7 +225,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             state["init_from"] = {"dir": str(init_from), "tensors": _init_from(model, Path(init_from))}
             log(f"init_from {init_from}: copied {state['init_from']['tensors']} tensors")
     state["config"] = asdict(cfg)
-    # every part's exact command, so `kvstate lab retrain` can replay the run (see kvstate.lab.retrain)
+    # every part's exact command, so `kvstate lab retrain` can replay the run (see kvstate.lab.training.retrain)
     state.setdefault("commands", []).append(part_record(out, resume, int(state["step"])))
     model.config.dtype = "float32"
     model.train()

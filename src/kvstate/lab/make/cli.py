@@ -1,7 +1,7 @@
 """``kvstate lab ...``: regenerate the committed results the report reads, replay a model's training.
 
-A typer sub-app registered by ``cli.py``; the work is in :mod:`kvstate.lab.reproduce` and
-:mod:`kvstate.lab.retrain`.
+A typer sub-app registered by ``cli.py``; the work is in :mod:`kvstate.lab.make.reproduce` and
+:mod:`kvstate.lab.training.retrain`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def reproduce_command(
     force: Annotated[bool, typer.Option("--force", help="Also rerun jobs whose result file is current.")] = False,
 ) -> None:
     """Regenerate every stale or missing result file the report reads (resumable; prints an estimate first)."""
-    from kvstate.lab.reproduce import reproduce
+    from kvstate.lab.make.reproduce import reproduce
 
     reproduce(only or (), dry_run=dry_run, force=force)
 
@@ -34,6 +34,6 @@ def retrain_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the recorded parts only.")] = False,
 ) -> None:
     """Replay the recorded training commands of MODEL into a scratch directory (may take hours)."""
-    from kvstate.lab.retrain import retrain
+    from kvstate.lab.training.retrain import retrain
 
     retrain(model, scratch=scratch, dry_run=dry_run)
