@@ -2,7 +2,7 @@
 
 How a technique adds a section (the whole interface)
 ----------------------------------------------------
-Write ``src/kvstate/lab/report/<name>_section.py`` with ``build(out_dir: Path, models_dir: Path) -> Section`` and
+Write a section module (``src/kvstate/lab/<axis>/section.py``) with ``build(out_dir: Path, models_dir: Path) -> Section`` and
 add one line to ``SECTIONS`` in :mod:`kvstate.lab.make.build`. ``build`` writes its PNG figures into
 ``out_dir`` (a temporary directory that replaces the report only when every section has finished) and
 returns a :class:`Section`:
