@@ -142,7 +142,9 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
                     r["bytes"].append(nbytes)
                     r["tokens"].append(ids.shape[1] - 1)
             tick(task)
-    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick)
+    ppl_texts: dict[str, list[TextNLL]] = {}
+    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick, texts=ppl_texts)
+    ppl_ci = _ppl_intervals(ppl_texts, cfg.seed)
     loop = _loopback(producer, tokenizer, methods, cfg)
     results = []
     for m in METHODS:
@@ -155,6 +157,7 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
         results.append({"method": m, "score": round(est.value, 4), "score_ci": [round(est.lo, 4), round(est.hi, 4)],
                         "n": est.n, "items": [round(float(s), 4) for s in r["score"]],
                         "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4),
+                        "ppl_ci": ppl_ci.get(m), "ppl_texts": len(ppl_texts.get(m, [])),
                         "payload_bytes_per_token": round(bpt, 2), "consumer_ms": round(cms, 3), "ttft_ms": ttft,
                         "loopback_ms": round(loop.get(m, 0.0), 3),
                         "per_task": {k: round(sum(v) / len(v), 4) for k, v in cells[m].items()},
@@ -176,7 +179,8 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
 
 @torch.inference_mode()
 def _perplexities(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]], cfg: BenchConfig,
-                  tick: Callable[[str], None], only: Sequence[str] = METHODS) -> dict[str, float]:
+                  tick: Callable[[str], None], only: Sequence[str] = METHODS,
+                  texts: dict[str, list[TextNLL]] | None = None) -> dict[str, float]:
     """Consumer perplexity on the second half of held-out text given each method's state of the first half."""
     from kvstate.lab.workloads.tasks import generate
 
@@ -192,7 +196,19 @@ def _perplexities(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode
                 cache = dec(Payload.from_bytes(enc(ids[:, :cut]).to_bytes()), ids[0].tolist())
                 rows[m].append(continuation_nll(consumer, ids, cut, cache))
         tick("ppl")
+    if texts is not None:  # the caller keeps the per-text NLL (for intervals)
+        texts.update(rows)
     return {m: pooled_perplexity(r) for m, r in rows.items()}
+
+
+def _ppl_intervals(rows: dict[str, list[TextNLL]], seed: int) -> dict[str, list[float]]:
+    """95% bootstrap interval (over texts) of each method's perplexity."""
+    out = {}
+    for m, r in rows.items():
+        if r:
+            e = stats.perplexity([x.nll for x in r], [x.tokens for x in r], seed=seed)
+            out[m] = [round(e.lo, 4), round(e.hi, 4)]
+    return out
 
 
 def _loopback(producer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]],

@@ -30,7 +30,7 @@ PAPER = "Semantic Cache Distillation: Efficient State Transfer via Reuse and Sel
 CODEC = "codec-ref-attn-ft"
 TECHNIQUE = "across models (SCD)"
 COMMAND = ("kvstate transfer bench --producer models/ref-attn --consumer models/ref-attn-ft "
-           "--codec models/codec-ref-attn-ft --n 25 --seed 1000 --out models/codec-ref-attn-ft/bench.json")
+           "--codec models/codec-ref-attn-ft --n 25 --ppl-n 200 --seed 1000 --out models/codec-ref-attn-ft/bench.json")
 
 
 def targets(bench: dict[str, Any], art: Artifact) -> list[HeadlineRow]:
