@@ -8,7 +8,11 @@ document's third question resumes.
 
 With ``--out FILE`` (the report reads ``models/ref-hybrid/prefix_replay.json``) the run is appended to FILE
 with its provenance (:mod:`kvstate.lab.provenance`); prints a table on stderr, then one JSON line on stdout.
-Usage: ``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--out FILE]``.
+Timings are medians of ``--repeats`` (default 5) interleaved repeats with and without the cache, with the
+spread of the per-repeat speed-up; ``--declare`` makes every request declare where it parts from the
+others (:func:`kvstate.lab.prefix.replay.declared_boundaries`).
+Usage: ``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--repeats 5] [--declare]
+[--planners optimal balanced] [--out FILE]``.
 
 ``--placement path tree [--workloads quality system_prompts] [--grid B:M,...] [--no-baseline]`` compares
 tree placement (exact DP over the radix tree) with per-path placement at the same byte budget instead
@@ -118,6 +122,10 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["quality", "narrativeqa", "system_prompts", "chat"])
     ap.add_argument("--grid", type=_grid, default=[(BUDGET, 8)], help="budget:slots pairs, comma-separated")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache prefills (faster)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved timing repeats with and without the cache")
+    ap.add_argument("--declare", action="store_true", help="requests declare where they part (document ends)")
+    ap.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=["optimal", "balanced", "block", "log",
+                                                                             "sqrt", "junction"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     rec = Recorder(code=("prefix", "models", "lab/prefix/replay.py", "lab/workloads/traces.py"), models=[MODEL],
@@ -143,21 +151,21 @@ def main() -> None:
     rows = []
     print(
         f"{'workload':>15} {'planner':>9} {'reqs':>5} {'reused':>8} {'predicted':>9} {'ratio':>6} "
-        f"{'KV held/distinct':>16} {'wall s':>7} {'no-cache s':>10} {'R2':>6}"
+        f"{'KV held/distinct':>16} {'wall s':>7} {'no-cache s':>10} {'R2':>6} {'speed-up (spread)':>18}"
    , file=sys.stderr
     )
     for name, reqs in workloads.items():
-        base: list[float] | None = None
-        for planner in PLANNERS:
-            r = replay(model, reqs, PrefixCacheConfig(BUDGET, 8, planner), baseline_s=base)
-            base = base or [x["wall_s_no_cache"] for x in r.per_request]
+        for planner in args.planners:
+            r = replay(model, reqs, PrefixCacheConfig(BUDGET, 8, planner), repeats=args.repeats,
+                       declare=args.declare, no_cache_baseline=not args.no_baseline)
             row = {"workload": name, **r.as_json()}
             rows.append(row)
             ratio = r.tokens_reused / r.predicted_reused if r.predicted_reused else float("nan")
             kv_ratio = r.kv_bytes_held / r.kv_bytes_distinct if r.kv_bytes_distinct else float("nan")
             print(
                 f"{name:>15} {planner:>9} {r.requests:>5} {r.tokens_reused:>8} {r.predicted_reused:>9} "
-                f"{ratio:>6.3f} {kv_ratio:>16.3f} {r.wall_s:>7.1f} {r.wall_s_no_cache:>10.1f} {r.saved_r2:>6.3f}",
+                f"{ratio:>6.3f} {kv_ratio:>16.3f} {r.wall_s:>7.1f} {r.wall_s_no_cache:>10.1f} {r.saved_r2:>6.3f} "
+                f"{r.wall_ratio:>6.2f} ({r.wall_ratio_min:.2f}-{r.wall_ratio_max:.2f})",
                 flush=True,
                 file=sys.stderr,
             )
@@ -171,6 +179,8 @@ def main() -> None:
         "model": str(MODEL),
         "budget_bytes": BUDGET,
         "scale": args.scale,
+        "repeats": args.repeats,
+        "declared": args.declare,
         "results": rows,
         "twelve": twelve,
     }

@@ -1,4 +1,5 @@
-"""The prefix cache's one configuration (pure): budget, slots, planner, placement, eviction policy, state device.
+"""The prefix cache's one configuration (pure): budget, slots, planner, placement, eviction policy, state device,
+shared tier.
 
 Sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"); see
 ``docs/techniques.md``. Validated on construction with messages naming the field and the allowed range.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from kvstate.errors import BudgetError, KVStateError
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.placement import METHODS
+from kvstate.prefix.remote import check_remote_url
 from kvstate.validate import check_float, check_int
 
 
@@ -25,6 +27,8 @@ class PrefixCacheConfig:
     block_size: int = 64  # the "block" planner's spacing
     state_device: str | None = None  # keep stored tensors here (e.g. "cpu" for a RAM tier); None: the model's
     placement: str = "path"  # "path": `planner` on each request's path; "tree": exact DP over a bounded subtree
+    remote: str | None = None  # shared tier for replicas, "redis://host:port/db" (None: this process only)
+    remote_retry_s: float = 1.0  # after the shared tier failed, serve local-only this long before retrying
 
     def __post_init__(self) -> None:
         # type and range first: a NaN budget never evicts, a True slot count slips through int()
@@ -42,3 +46,6 @@ class PrefixCacheConfig:
             raise KVStateError(
                 f"placement={self.placement!r} is not one of ['path', 'tree'] ('tree': exact placement over the radix tree)."
             )
+        if self.remote is not None:
+            check_remote_url(self.remote)
+        check_float("remote_retry_s", self.remote_retry_s, 0.0, 3600.0, error=KVStateError)

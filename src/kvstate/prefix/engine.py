@@ -8,6 +8,10 @@ then ``commit`` (insert the suffix's KV once into the tree, the captured states 
 unpinned leaves under the byte budget) — or ``abort`` if the forward pass failed. Output equals the
 same segmented computation bit for bit.
 
+With ``PrefixCacheConfig(remote="redis://...")`` the engine also writes what it computed through to a
+shared tier and, on a local miss, resumes from there (``shared_tier.py``): replicas of one model share
+their prefixes.
+
 Batch of one: each call serves one unpadded sequence. The store verbs run under one lock; forward
 passes run outside it, so requests on several threads overlap (what they use is pinned).
 """
@@ -30,13 +34,16 @@ from kvstate.models import (
     chunk_size,
     kv_bytes_per_token,
     layer_kinds,
+    model_fingerprint,
     segmented_prefill,
     snapshot_cache,
 )
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.placement import plan_checkpoints
+from kvstate.prefix.remote import RedisTier, RemoteTier
 from kvstate.prefix.segments import build_cache, kv_segment, split_segment, to_device
+from kvstate.prefix.shared_tier import Layout, RemoteMetrics, SharedTier, layout_of
 from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
 
 
@@ -76,7 +83,10 @@ class SparsePrefixCache:
         block_size: int = 64,
         state_device: str | None = None,
         placement: str = "path",
+        remote_tier: RemoteTier | None = None,
     ) -> None:
+        """``remote_tier``: the shared tier's byte store (default: :class:`RedisTier` on ``config.remote``;
+        tests pass their own)."""
         cfg = (
             budget_bytes
             if isinstance(budget_bytes, PrefixCacheConfig)
@@ -94,6 +104,8 @@ class SparsePrefixCache:
         has_attn = any(k in (LayerKind.ATTENTION, LayerKind.HYBRID) for k in self._kinds)
         n_params = sum(p.numel() for p in model.parameters())
         vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = vocab
+        self._dtype = dtype
         self.store = PrefixStore(
             StoreConfig(
                 budget_bytes=cfg.budget_bytes,
@@ -114,12 +126,72 @@ class SparsePrefixCache:
             sizer=held_nbytes,
         )
         self._lock = threading.Lock()
+        self._shared: SharedTier | None = None
+        self._layout_memo: Layout | None = None
+        if cfg.remote is not None or remote_tier is not None:
+            tier = remote_tier if remote_tier is not None else RedisTier(str(cfg.remote))
+            self._shared = SharedTier(tier, model_fingerprint(model), self.align, self._kinds, cfg.remote_retry_s)
+            self._shared.layout = self._layout()
+
+    def _layout(self) -> Layout:
+        """This model's per-layer state shapes and dtypes, from one token's forward (once): what the shared
+        tier checks its reads against and what :meth:`insert` checks a foreign cache against."""
+        if self._layout_memo is None:
+            ids = torch.zeros((1, 1), dtype=torch.long, device=self._device)
+            with torch.no_grad():
+                out = segmented_prefill(self.model, ids, cuts=[1], capture="recurrent")
+            has_att = self.store.config.has_attention
+            kv = kv_segment(out.cache, 0, 1, self._kinds, "cpu") if has_att else None
+            snap = out.snapshots[1] if self.store.config.has_recurrent else None
+            self._layout_memo = layout_of(kv, snap)
+        return self._layout_memo
+
+    def _check_cache(self, cache: Any, covered: int) -> None:
+        """Refuse a cache another model built: its layers' kinds, shapes and dtypes must be this model's."""
+        lay = self._layout()
+        layers = getattr(cache, "layers", None)
+        fix = "insert only caches this model built (prefill's result or model.generate(..., cache=...))."
+        if layers is None or len(layers) != len(self._kinds):
+            got = "no layers" if layers is None else f"{len(layers)} layers"
+            raise KVStateError(f"insert: cache has {got}, this model has {len(self._kinds)}; {fix}")
+        for i, layer in enumerate(layers):
+            if i in lay.kv:
+                shape, dtype = lay.kv[i]
+                keys = getattr(layer, "keys", None)
+                want = tuple(covered if d == -1 else d for d in shape)  # the token count is checked below
+                got_shape = None if not isinstance(keys, torch.Tensor) else tuple(keys.shape)
+                same = got_shape is not None and len(got_shape) == len(shape) and all(
+                    d == -1 or g == d for g, d in zip(got_shape, shape, strict=True)
+                )
+                if not same or keys.dtype != dtype:
+                    got = "no KV" if not isinstance(keys, torch.Tensor) else f"{tuple(keys.shape)} {keys.dtype}"
+                    raise KVStateError(
+                        f"insert: cache layer {i} holds {got}; this model's attention KV is {want} {dtype}; {fix}"
+                    )
+            if i in lay.rec:
+                conv, ssm, cdt, sdt = lay.rec[i]
+                c = getattr(layer, "conv_states", [None])[0] if getattr(layer, "conv_states", None) else None
+                r = getattr(layer, "recurrent_states", [None])[0] if getattr(layer, "recurrent_states", None) else None
+                ok = isinstance(c, torch.Tensor) and isinstance(r, torch.Tensor)
+                # shapes must agree; the state's float dtype may differ (generate keeps bf16, prefill fp32)
+                if not ok or (tuple(c.shape), tuple(r.shape)) != (conv, ssm) or not (
+                    c.dtype.is_floating_point and r.dtype.is_floating_point
+                ):
+                    got = "no recurrent state" if not ok else f"conv {tuple(c.shape)} {c.dtype}, state {tuple(r.shape)} {r.dtype}"
+                    raise KVStateError(
+                        f"insert: cache layer {i} holds {got}; this model's is conv {conv} {cdt}, state {ssm} {sdt}; {fix}"
+                    )
 
     # -- metrics (immutable snapshots; safe from any thread) -------------------------------------
     @property
     def metrics(self) -> StoreMetrics:
         with self._lock:
             return self.store.metrics()
+
+    @property
+    def remote_metrics(self) -> RemoteMetrics | None:
+        """The shared tier's counters and its ``up`` gauge (None without ``remote``)."""
+        return None if self._shared is None else self._shared.metrics()
 
     def reset_metrics(self) -> None:
         with self._lock:
@@ -140,11 +212,30 @@ class SparsePrefixCache:
     def _tokens(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """One unpadded sequence of this model's token ids, as ``(1, T)`` and a tuple; else a KVStateError."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise KVStateError(
+                f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}; pass "
+                "torch.tensor([ids])."
+            )
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise KVStateError(
+                f"input_ids has dtype {input_ids.dtype}; token ids must be integers (a float id would be truncated): "
+                "pass the tokenizer's ids, or input_ids.long() if they are whole numbers."
+            )
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
             raise KVStateError(
-                f"input_ids must be one non-empty sequence (1, T); got shape {tuple(input_ids.shape)}."
+                f"input_ids must be one non-empty sequence, shape (T,) or (1, T); got shape "
+                f"{tuple(input_ids.shape)}. The prefix cache serves a batch of one: call it once per sequence."
+            )
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise KVStateError(
+                f"input_ids holds token id {bad}, outside this model's vocabulary 0..{self.vocab_size - 1}; "
+                "tokenize with the model's own tokenizer."
             )
         if attention_mask is not None and (
             tuple(attention_mask.shape) != tuple(input_ids.shape) or not bool((attention_mask == 1).all())
@@ -180,25 +271,42 @@ class SparsePrefixCache:
         with self._lock:
             txn = self.store.begin(tokens, boundaries=() if boundaries is None else boundaries)
             hit, start = txn.hit, txn.hit.position
-            try:
-                if hit.full:  # nothing to compute or insert: the stored logits and end state
+            if hit.full:  # nothing to compute or insert: the stored logits and end state
+                try:
                     logits = txn.logits.to(self._device, copy=True)
                     served = PrefillResult(logits, self._restore(txn, n - 1), n, 0, 0, 0, ones)
-                    self.store.commit(txn, {}, None)  # learns from the request and counts it
-                    return served
-                cache: ResumableCache | None = self._restore(txn, start) if start else None
-            except BaseException:
-                self.store.abort(txn)  # a no-op once committed
-                raise
+                except BaseException:
+                    self.store.abort(txn)
+                    raise
+                self.store.commit(txn, {}, None)  # learns from the request and counts it
+                return served
         try:
+            # on a local miss, the shared tier may hold a deeper state (another replica computed it)
+            remote = None
+            if self._shared is not None:
+                cands = set(txn.capture) | set(boundaries or ()) | set(range(self.align, n, self.align)) | {n - 1}
+                remote = self._shared.lookup(tokens, start, cands)
+            remote_state = None
+            if remote is not None:
+                start, parts, remote_state = remote
+                cache: ResumableCache | None = build_cache(
+                    self.model.config, self._kinds, parts, remote_state, start, self._device
+                )
+            else:
+                cache = self._restore(txn, start) if start else None  # what it restores is pinned
             rec = self.store.config.has_recurrent
-            cuts = sorted(set(txn.capture) | ({n - 1} if rec and n - 1 > start else set()))
+            capture = [p for p in txn.capture if p > start]
+            cuts = sorted(set(capture) | ({n - 1} if rec and n - 1 > start else set()))
+            result_cache: ResumableCache
+            if remote is not None and start == n - 1:  # the forward pass below advances `cache` in place
+                result_cache = build_cache(self.model.config, self._kinds, parts, remote_state, start, self._device)
             out = segmented_prefill(
                 self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent"
             )
             dev = self.config.state_device
-            states = {p: to_device(out.snapshots[p], dev) for p in txn.capture}
-            result_cache: ResumableCache
+            states = {p: to_device(out.snapshots[p], dev) for p in capture}
+            if remote_state is not None and start in txn.capture:
+                states[start] = to_device(remote_state, dev)
             if rec and n - 1 > start:
                 result_cache = build_cache(
                     self.model.config,
@@ -209,6 +317,8 @@ class SparsePrefixCache:
                     self._device,
                     live=out.cache,
                 )
+            elif remote is not None and start == n - 1:
+                pass  # built above
             elif n > 1:
                 result_cache = (
                     self._restore(txn, n - 1)
@@ -232,6 +342,8 @@ class SparsePrefixCache:
             raise
         with self._lock:
             self.store.commit(txn, states, kv if self.store.config.has_attention else None, logits)
+        if self._shared is not None:  # write through what this pass computed
+            self._shared.write(tokens, start, live, {p: out.snapshots[p] for p in cuts}, n)
         return PrefillResult(
             logits=out.logits,
             cache=result_cache,
@@ -251,6 +363,7 @@ class SparsePrefixCache:
         covered = len(tokens) - 1 if covered is None else int(covered)
         if not 0 < covered <= len(tokens):
             raise KVStateError(f"covered={covered} must be in 1..{len(tokens)} (the tokens the cache holds).")
+        self._check_cache(cache, covered)
         dev = self.config.state_device
         states = {}
         if self.store.config.has_recurrent:
@@ -268,9 +381,12 @@ class SparsePrefixCache:
 
         with self._lock:
             txn = self.store.begin(tokens, serving=False)
-            return self.store.commit(
+            stored = self.store.commit(
                 txn, states, kv if self.store.config.has_attention else None, None, covered
             )
+        if self._shared is not None:  # write through past what the store already held
+            self._shared.write(tokens, min(txn.hit.overlap, covered), cache, states, covered)
+        return stored
 
     def pin(self, input_ids: torch.Tensor) -> None:
         """Keep a prefix (a system prompt) from eviction until :meth:`unpin`; computes it if not stored."""

@@ -10,8 +10,9 @@ so the hull is found with whole-array NumPy steps:
    the first full pass only those "suspects" are re-tested.
 2. when dropping stalls — a far point dominating a long concave run would peel one vertex per pass —
    the chain is a few concave runs; each pair of adjacent runs is joined by its bridge (upper common
-   tangent), found for all pairs at once by the Overmars–van Leeuwen simultaneous binary search
-   (``O(log n)`` vectorised steps), and the points under each bridge are dropped.
+   tangent), found for all pairs at once by alternating tangents (from a point of one run, the
+   extreme-slope point of the other, and back; a few whole-array segment reductions per step), and
+   the points under each bridge are dropped.
 
 A chain with no reflex vertex is concave, hence is the upper hull. Every step only removes points
 lying under a segment between two remaining points, so the result is exact up to float rounding of
@@ -29,6 +30,8 @@ BoolArray = npt.NDArray[np.bool_]
 # bridge the runs once reflex vertices are at most max(_MIN_BRIDGE, chain >> _BRIDGE_SHIFT)
 _MIN_BRIDGE = 16
 _BRIDGE_SHIFT = 7
+_WALK_MAX_CHAIN = 8192  # longer chains bridge by binary search (O(pairs) per step, not O(chain))
+_BRIDGE_STEPS = 8  # alternating-tangent steps before the unsettled pairs go to the binary search
 
 
 def upper_hull(x: FloatArray, y: FloatArray) -> IntArray:
@@ -89,7 +92,60 @@ def _run_bridges(
 def _bridges(
     x: FloatArray, y: FloatArray, chain: IntArray, sa: IntArray, ea: IntArray, sb: IntArray, eb: IntArray
 ) -> tuple[IntArray, IntArray]:
-    """Bridge ``(p, q)`` between concave runs ``chain[sa..ea]`` and ``chain[sb..eb]``, per pair.
+    """Bridge ``(p, q)`` between runs ``chain[sa..ea]`` and ``chain[sb..eb]`` (A left of B), per pair.
+
+    Alternating tangents, all pairs at once: from ``p`` (first the inner end of A) the tangent point
+    ``q`` of B is the point with the largest slope from ``p`` (the rightmost on ties); from ``q`` the
+    tangent point of A is the one with the smallest slope to ``q`` (the leftmost on ties). ``p`` only
+    moves left and ``q`` only right, and at a fixed point every point of A and B lies on or under the
+    line ``p q``: the upper common tangent. Each step is a handful of whole-array operations over the
+    runs (segment reductions), and a few steps settle a pair on the planner's inputs. ``p = q = -1``
+    marks a pair that did not settle (rounding in near-collinear input); callers then keep its points.
+    Each step costs ``O(chain)``, so chains over ``_WALK_MAX_CHAIN`` points, and the pairs still
+    unsettled after ``_BRIDGE_STEPS`` steps, go to the simultaneous binary search of
+    :func:`_bridges_search` (``O(log n)`` steps of ``O(pairs)``).
+    """
+    if chain.size > _WALK_MAX_CHAIN:  # each step costs O(chain): long chains take the binary search
+        return _bridges_search(x, y, chain, sa, ea, sb, eb)
+    la, lb = ea - sa + 1, eb - sb + 1
+    a_pos, a_seg, a_off = _ranges(sa, la)
+    b_pos, b_seg, b_off = _ranges(sb, lb)
+    a_pts, b_pts = chain.take(a_pos), chain.take(b_pos)
+    xa, ya, xb, yb = x.take(a_pts), y.take(a_pts), x.take(b_pts), y.take(b_pts)
+    p, q = ea.copy(), np.full(sa.size, -1, dtype=np.int64)
+    for _ in range(_BRIDGE_STEPS):
+        pp = chain.take(p)
+        px, py = x.take(pp).take(b_seg), y.take(pp).take(b_seg)
+        s = (yb - py) / (xb - px)  # slope from p to each point of B
+        q_new = np.maximum.reduceat(np.where(s >= np.maximum.reduceat(s, b_off).take(b_seg), b_pos, -1), b_off)
+        qq = chain.take(q_new)
+        qx, qy = x.take(qq).take(a_seg), y.take(qq).take(a_seg)
+        s = (qy - ya) / (qx - xa)  # slope from each point of A to q
+        big = chain.size
+        p_new = np.minimum.reduceat(np.where(s <= np.minimum.reduceat(s, a_off).take(a_seg), a_pos, big), a_off)
+        settled = (p_new == p) & (q_new == q)
+        p, q = p_new, q_new
+        if settled.all():
+            return p, q
+    rest = np.flatnonzero(~settled)
+    p2, q2 = _bridges_search(x, y, chain, sa[rest], ea[rest], sb[rest], eb[rest])
+    p[rest], q[rest] = p2, q2
+    return p, q
+
+
+def _ranges(start: IntArray, length: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """Concatenated ``start[k] .. start[k] + length[k] - 1``, the segment id of each, the offsets."""
+    off = np.concatenate(([0], np.cumsum(length)[:-1]))
+    seg = np.repeat(np.arange(start.size), length)
+    pos = np.arange(int(length.sum()), dtype=np.int64) - off.take(seg) + start.take(seg)
+    return pos, seg, off
+
+
+def _bridges_search(
+    x: FloatArray, y: FloatArray, chain: IntArray, sa: IntArray, ea: IntArray, sb: IntArray, eb: IntArray
+) -> tuple[IntArray, IntArray]:
+    """Bridge ``(p, q)`` between concave runs ``chain[sa..ea]`` and ``chain[sb..eb]``, per pair (the
+    pairs alternating tangents did not settle quickly: long runs).
 
     Simultaneous binary search (Overmars & van Leeuwen): with ``L`` the line through the midpoints
     ``a_i`` and ``b_j``,

@@ -70,6 +70,24 @@ def replay_command(
     ] = "path",
     no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the no-cache timing.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
+    replicas: Annotated[
+        int, typer.Option("--replicas", min=1, help="Serve round-robin over R engines sharing --remote.")
+    ] = 1,
+    remote: Annotated[
+        str | None, typer.Option("--remote", help="Shared Redis tier, redis://HOST:PORT/DB (flushed per repeat).")
+    ] = None,
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=1, help="Interleaved timing repeats with and without the cache (medians).")
+    ] = 1,
+    declare: Annotated[
+        bool, typer.Option("--declare-boundaries", help="Each request declares where it parts from the others.")
+    ] = False,
+    server: Annotated[
+        str | None, typer.Option("--server", help="Replay through a running `kvstate serve` (URL): time to first token.")
+    ] = None,
+    baseline_server: Annotated[
+        str | None, typer.Option("--baseline-server", help="With --server: the same model served with the cache off.")
+    ] = None,
 ) -> None:
     """Replay a trace through the prefix cache; one row per (planner, slots)."""
     from kvstate.lab.cli_output import print_json, table_console
@@ -80,6 +98,11 @@ def replay_command(
     from kvstate.models import load_model
     from kvstate.prefix.config import PrefixCacheConfig
 
+    if server is not None:
+        _replay_server(server, baseline_server, trace, limit, as_json)
+        return
+    if replicas > 1 and remote is None:
+        raise KVStateError(f"--replicas {replicas} needs --remote redis://HOST:PORT/DB (the tier they share).")
     slot_counts = parse_ints(",".join(slots), "--slots", lo=0, hi=2**20, example="0,2,8")
     planners = parse_names(",".join(planner), "--planner", example="optimal,balanced")
     requests = read_trace(trace)
@@ -88,7 +111,9 @@ def replay_command(
             raise KVStateError(f"--limit {limit} must be >= 1.")
         requests = requests[:limit]
     configs = [
-        PrefixCacheConfig(budget_bytes, m, p, align, policy, placement=placement) for p in planners for m in slot_counts
+        PrefixCacheConfig(budget_bytes, m, p, align, policy, placement=placement, remote=remote)
+        for p in planners
+        for m in slot_counts
     ]
     model = load_model(model_dir)
     results = []
@@ -100,8 +125,11 @@ def replay_command(
                 requests,
                 cfg,
                 no_cache_baseline=not no_baseline,
-                baseline_s=base,
+                baseline_s=base if repeats == 1 else None,
                 progress=bar.advance,
+                replicas=replicas,
+                repeats=repeats,
+                declare=declare,
             )
             if not no_baseline and base is None:
                 base = [row["wall_s_no_cache"] for row in r.per_request]
@@ -120,6 +148,7 @@ def replay_command(
         "wall s",
         "no-cache s",
         "R²",
+        "ratio (spread)",
     ):
         table.add_column(col, justify="right")
     for r in results:
@@ -136,7 +165,28 @@ def replay_command(
             f"{r.wall_s:.2f}",
             f"{r.wall_s_no_cache:.2f}",
             f"{r.saved_r2:.3f}",
+            f"{r.wall_ratio:.2f} ({r.wall_ratio_min:.2f}-{r.wall_ratio_max:.2f})",
         )
     table_console(as_json).print(table)
     if as_json:
         print_json({"model": str(model_dir), "trace": str(trace), "results": [r.as_json() for r in results]})
+
+
+def _replay_server(server: str, baseline: str | None, trace: Path, limit: int | None, as_json: bool) -> None:
+    from kvstate.lab.cli_output import print_json, table_console
+    from kvstate.lab.prefix.replay_server import replay_server
+    from kvstate.lab.progress import progress_bar
+    from kvstate.lab.workloads.traces import read_trace
+
+    requests = read_trace(trace)[:limit] if limit else read_trace(trace)
+    with progress_bar("server", len(requests), unit="requests") as bar:
+        r = replay_server(server, requests, baseline_url=baseline, progress=bar.advance)
+    table = Table(title=f"prefix replay through {server} on {trace} ({r.requests} requests)")
+    for col in ("TTFT median s", "no-cache TTFT s", "ratio", "tokens reused"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        f"{r.ttft_s_median:.3f}", f"{r.ttft_s_median_baseline:.3f}", f"{r.ttft_ratio:.2f}", f"{r.tokens_reused:,.0f}"
+    )
+    table_console(as_json).print(table)
+    if as_json:
+        print_json({"server": server, "trace": str(trace), "result": r.as_json()})
