@@ -21,6 +21,8 @@ def test_a_run_records_its_provenance_and_runs_are_appended(tmp_path):
     runs = P.read_runs(path)
     assert [r["results"] for r in runs] == [[1], [2]] and runs[0]["provenance"]["n"] == 100
     assert json.loads(path.read_text())["format"] == P.FORMAT
+    P.append_run(path, {"ratio": float("nan"), "rows": [{"r2": float("inf")}]}, prov)  # no baseline measured
+    assert P.read_runs(path)[-1]["ratio"] is None and P.read_runs(path)[-1]["rows"] == [{"r2": None}]
 
 
 def test_stale_when_the_code_changes(tmp_path, monkeypatch):

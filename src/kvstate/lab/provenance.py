@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -173,8 +174,19 @@ def append_run(path: str | Path, run: dict[str, Any], provenance: dict[str, Any]
     """Append ``run`` (with its ``provenance``) to the result file at ``path``, atomically; older runs kept."""
     p = Path(path)
     runs = read_runs(p) if p.is_file() else []
-    runs.append({"provenance": provenance, **run})
+    runs.append(_finite({"provenance": provenance, **run}))
     write_text_atomic(p, json.dumps({"format": FORMAT, "runs": runs}, indent=1, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    """NaN / inf (a ratio with nothing measured, e.g. no baseline) become null: result files are strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 Status = Literal["current", "stale", "missing"]
