@@ -91,8 +91,9 @@ def write_card(model_dir: Path, *, overwrite: bool = False) -> Path:
     """Write ``model_dir/README.md``; a README this command did not write is replaced only with ``overwrite``."""
     from kvstate.lab.cli_output import check_card_out
 
+    text = card_text(Path(model_dir))  # a directory that is not a depth run is refused first
     out = check_card_out(Path(model_dir) / "README.md", MARKER, overwrite=overwrite, option="depth card")
-    write_text_atomic(out, card_text(Path(model_dir)))
+    write_text_atomic(out, text)
     return out
 
 

@@ -70,7 +70,8 @@ def calibrate_command(
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.transfer.prompts import calibration_prompts
     from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
-    from kvstate.transfer.codec import MANIFEST, WEIGHTS, is_codec_dir
+    from kvstate.transfer.codec import MANIFEST, WEIGHTS, CodecConfig, is_codec_dir
+    from kvstate.transfer.states import geometry
 
     _threads(threads)
     cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
@@ -83,6 +84,7 @@ def calibrate_command(
                            f"--length <= {limit:,}")
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
+    CodecConfig(cfg.rank_k, cfg.rank_v, cfg.rank_h, (), cfg.bits).check(geometry(p))  # before the progress bar
     prompts = calibration_prompts(tok, cfg)
     n_hold = max(1, len(prompts) // 4)
     total = (len(prompts) - n_hold) + p.config.num_hidden_layers + n_hold
