@@ -179,3 +179,16 @@ def test_card_out_and_threads(tmp_path):
     for bad in (0, -1, True, 10**6):
         with pytest.raises(KVStateError, match="--threads"):
             set_threads(bad)
+
+
+def test_semantic_eval_appends_to_a_committed_eval_json_and_keeps_every_run(capsys, scratch, tmp_path):
+    router = tmp_path / "sekv"
+    shutil.copytree(scratch / "ref-attn-sekv", router)
+    before = read_runs(router / "eval.json")
+    code, _, err = run_cli(capsys, "semantic", "eval", "--model", scratch / "ref-attn", "--router", router, "--task",
+                           "niah_single", "--length", "128", "--n", "1", "--methods", "full", "--out",
+                           router / "eval.json")
+    assert code == 0, err
+    after = read_runs(router / "eval.json")
+    assert len(after) == len(before) + 1 and after[: len(before)] == before and "provenance" in after[-1]
+    assert read_manifest(router, kind="router")  # the router's checksummed files are untouched

@@ -337,6 +337,9 @@ class Codec:
                         m.get("calibration", {}))
         except (KeyError, TypeError) as exc:
             raise CodecError(f"codec manifest {str(d / MANIFEST)!r} is malformed ({exc!r}); {RECALIBRATE}") from None
+        if m.get("weights_sha256") != m["files"][WEIGHTS].get("sha256"):
+            raise CodecError(f"codec manifest {str(d / MANIFEST)!r} names weights {str(m.get('weights_sha256'))[:12]}… but "
+                             f"checksums another {WEIGHTS}; {RECALIBRATE}")
         if codec.pair.hex() != m.get("pair"):
             raise CodecError(f"codec manifest {str(d / MANIFEST)!r} does not describe {WEIGHTS} (its pair "
                              f"{str(m.get('pair'))[:12]}… is not the hash of its content, {codec.pair.hex()[:12]}…); "

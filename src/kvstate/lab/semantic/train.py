@@ -62,8 +62,12 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        f, i = (lambda name, v, *a, **k: check_float(f"TrainConfig.{name}", v, *a, error=KVStateError, **k),
-                lambda name, v, *a, **k: check_int(f"TrainConfig.{name}", v, *a, error=KVStateError, **k))
+        def f(name: str, v: object, *a: Any, **k: Any) -> None:
+            check_float(f"TrainConfig.{name}", v, *a, error=KVStateError, **k)
+
+        def i(name: str, v: object, *a: Any, **k: Any) -> None:
+            check_int(f"TrainConfig.{name}", v, *a, error=KVStateError, **k)
+
         f("minutes", self.minutes, 0.0, MAX_MINUTES, lo_open=True)
         if self.max_steps is not None:
             i("max_steps", self.max_steps, 1, 10**9, hint=" or None (the --minutes budget alone)")
