@@ -60,3 +60,13 @@ def test_an_interrupted_first_part_resumes_from_the_command_line(capsys, start, 
     state = load_state(out)
     assert state["step"] == 2 + 2 + 2 and state["depth"]["start_step"] == 2 and not partial_dir(out).exists()
     assert (out / "README.md").is_file() and "saved" in out_text
+
+
+def test_a_resumed_part_keeps_the_runs_evaluation_results(start, tmp_path):
+    out = tmp_path / "run"
+    cfg = DepthTrainConfig(p=0.5, length=64, tokens=256)
+    depth_train(start, out, cfg, overrides=FAST, progress=False, log=lambda *_: None)
+    (out / "depth_eval.json").write_text('{"results": [{"keep": 1.0}]}\n')
+    depth_train(start, out, cfg, resume=True, overrides=FAST, progress=False, log=lambda *_: None)
+    assert (out / "depth_eval.json").read_text() == '{"results": [{"keep": 1.0}]}\n'
+    assert load_state(out)["step"] == 2 + 2

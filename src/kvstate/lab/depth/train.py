@@ -29,6 +29,7 @@ from typing import Any
 
 from kvstate.depth.patterns import PatternError, SharingPattern, check_p, format_pattern, parse_pattern
 from kvstate.errors import KVStateError
+from kvstate.io_safety import write_bytes_atomic
 from kvstate.validate import check_float, check_int
 
 DEPTH_KEY = "depth"
@@ -40,6 +41,7 @@ RULES = ("paper", "owner")  # kvstate.depth.routing.RULES (not imported: that lo
 LEGACY_RULE = "owner"
 MAX_MINUTES = 7 * 24 * 60.0  # a week: a longer budget is a typo, not a plan
 MAX_TOKENS = 10**12
+RESULT_FILES = ("depth_eval.json",)  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,12 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     steps = math.ceil(cfg.tokens / int(fields["tokens_per_step"])) if cfg.tokens is not None else None
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
     factory = _routing_factory(cfg, pattern)
+    # a resumed part replaces out whole: its evaluation results are carried over, never dropped
+    kept = {n: (out / n).read_bytes() for n in RESULT_FILES if resume and (out / n).is_file()}
     result = train(tcfg, out, resume=start, progress=progress, log=log, context=factory,
                    overwrite=overwrite or resume)
+    for name, data in kept.items():
+        write_bytes_atomic(out / name, data)
     routing = getattr(factory, "routing", None)
     counts = dict(routing.counts()) if routing is not None else {}
     if prev is not None:
