@@ -1,7 +1,9 @@
 """Bad-input sweep: feed ~450 bad (and a few valid edge) inputs to ``kvstate`` and its Python API, classify each.
 
-Run: ``PYTHONPATH=src:. python scripts/bad_input_sweep.py [--md OUT.md] [--only new]``. Every CLI case runs through
-``kvstate.cli.main`` in-process under a 90 s alarm (a hang shows as ``HANG``) against copies of a tiny
+Run: ``PYTHONPATH=src:. python scripts/bad_input_sweep.py [--md OUT.md] [--only new] [--sections depth,semantic,...]``
+(``SWEEP_ALARM=SECONDS`` sets the hang limit, 90 by default). Every CLI case runs through
+``kvstate.cli.main`` in-process under a 90 s alarm (a hang shows as ``HANG``; a case that may crash the
+interpreter runs in a child process, ``TRACEBACK`` with the signal if it does) against copies of a tiny
 model trained at start; the work directory is fingerprinted before and after each case, so a case that
 changes files it must not shows as ``DISK``. Outcomes: ``error2`` (exit 2, one stderr line, no
 traceback: the promised behaviour), ``ok`` (a valid edge input that ran and whose output was checked),
@@ -72,24 +74,46 @@ def _alarm(*_):  # type: ignore[no-untyped-def]
     raise Hang()
 
 
-def cli(name: str, args: list[object], expect_ok: bool = False, check=None, writes: bool = False) -> None:  # type: ignore[no-untyped-def]
+ALARM = int(os.environ.get("SWEEP_ALARM", "90"))  # seconds before a case counts as a hang
+
+
+def _isolated(args: list[object]) -> tuple[object, str, str]:
+    """Run ``kvstate ARGS`` in a child process (a case that may crash the interpreter): (code, stderr, stdout)."""
+    import subprocess
+
+    try:
+        done = subprocess.run([sys.executable, "-c", "from kvstate.cli import main; main()", *map(str, args)],
+                              capture_output=True, text=True, timeout=ALARM, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return "hang", "", ""
+    code: object = done.returncode if done.returncode >= 0 else f"crashed: signal {-done.returncode}"
+    return code, done.stderr, done.stdout
+
+
+def cli(name: str, args: list[object], expect_ok: bool = False, check=None, writes: bool = False,  # type: ignore[no-untyped-def]
+        isolate: bool = False) -> None:
     before = fingerprint(ROOT / "w")
     models_before = _quick(M)
     err, out = io.StringIO(), io.StringIO()
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(90)
     code: object = None
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code if exc.code is not None else 0
-    except Hang:
-        code = "hang"
-    except BaseException as exc:
-        code = f"{type(exc).__name__}: {exc}"
-    finally:
-        signal.alarm(0)
+    if isolate:
+        code, etext, otext = _isolated(args)
+        err.write(etext)
+        out.write(otext)
+    else:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(ALARM)
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if exc.code is not None else 0
+        except Hang:
+            code = "hang"
+        except BaseException as exc:
+            code = f"{type(exc).__name__}: {exc}"
+        finally:
+            signal.alarm(0)
     text = err.getvalue()
     lines = [ln for ln in text.splitlines() if ln.strip() and "Loading weights" not in ln]
     models_changed = _quick(M) != models_before
@@ -695,7 +719,7 @@ def semantic_cases() -> None:
     se("--n 10^7", "--n", str(10**7))
     se("--threads 0", "--threads", "0")
     se("--threads -1", "--threads", "-1")
-    se("--threads 10^6", "--threads", str(10**6))
+    se("--threads 10^6", "--threads", str(10**6), isolate=True)  # torch's OpenMP may crash the interpreter
     se("--seed -1", "--seed", "-1")
     for label, args in (("--length 16384", ["--length", "16384"]), ("--length 32", ["--length", "32"]),
                         ("--threads 0", ["--threads", "0"]), ("--minutes nan", ["--minutes", "nan"]),
@@ -910,13 +934,17 @@ def _section(fn, *args) -> None:  # type: ignore[no-untyped-def]
 def axis_cases() -> None:
     shutil.copytree(REPO_MODELS, M)
     BIG.mkdir()
-    _section(depth_cases)
-    _section(semantic_cases)
+    wanted = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else [
+        "depth", "semantic", "transfer", "server", "api"]
+    if "depth" in wanted:
+        _section(depth_cases)
+    if "semantic" in wanted:
+        _section(semantic_cases)
     server = _Server()
     try:
-        _section(transfer_cases, server)
-        _section(server_cases, server)
-        _section(api_axis_cases, server)
+        for name, fn in (("transfer", transfer_cases), ("server", server_cases), ("api", api_axis_cases)):
+            if name in wanted:
+                _section(fn, server)
     finally:
         server.close()
     same = not DAMAGED and fingerprint(M) == fingerprint(REPO_MODELS)
