@@ -1,13 +1,24 @@
-"""Bad-input sweep: feed ~150 bad (and a few valid edge) inputs to ``kvstate`` and its Python API, classify each.
+"""Bad-input sweep: feed ~450 bad (and a few valid edge) inputs to ``kvstate`` and its Python API, classify each.
 
-Run: ``PYTHONPATH=src python scripts/bad_input_sweep.py [--md OUT.md]``. Every CLI case runs through
-``kvstate.cli.main`` in-process under a 90 s alarm (a hang shows as ``HANG``) against copies of a tiny
+Run: ``PYTHONPATH=src:. python scripts/bad_input_sweep.py [--md OUT.md] [--only new] [--sections depth,semantic,...]``
+(``SWEEP_ALARM=SECONDS`` sets the hang limit, 90 by default). Every CLI case runs through
+``kvstate.cli.main`` in-process under a 90 s alarm (a hang shows as ``HANG``; a case that may crash the
+interpreter runs in a child process, ``TRACEBACK`` with the signal if it does) against copies of a tiny
 model trained at start; the work directory is fingerprinted before and after each case, so a case that
 changes files it must not shows as ``DISK``. Outcomes: ``error2`` (exit 2, one stderr line, no
 traceback: the promised behaviour), ``ok`` (a valid edge input that ran and whose output was checked),
 ``SILENT`` (exit 0 on bad input), ``TRACEBACK`` (any other exit or exception), ``HANG``, ``DISK``. API
 cases: ``error`` (a ``KVStateError`` / ``ValueError`` naming the argument), ``ok`` (checked result),
 ``WRONG`` (another exception or an unchecked result). Prints a table and one JSON line of counts.
+
+The depth / semantic / transfer cases (:func:`axis_cases`) run against a scratch copy of the committed
+``models/`` (``M``): every case is also checked to leave it unchanged (``DISK`` otherwise), and a last
+row checks it byte-identical (SHA-256 of every file) to the committed directory after all cases. Cases
+that must write (a result appended, a card) write into copies under the work directory. Server cases
+(``srv``) send raw frames to an in-process producer server: ``error`` is an error reply on a connection
+that still answers, ``WRONG`` a dropped connection or an accepted bad request. Each case has a class
+(``out``: the output rule; ``trust``: damaged trusted files; ``bound``: inputs bounded at the boundary;
+``list``: list options; ``api``: API misuse; ``srv``: the server) and the JSON line counts them by class.
 """
 
 from __future__ import annotations
@@ -39,6 +50,20 @@ from kvstate.cli import main
 ROOT = Path(tempfile.mkdtemp(prefix="kvstate-sweep-"))
 SET = [f"--set={k}={v}" for k, v in TINY.items()]
 rows: list[tuple[str, str, str, str]] = []
+classes: list[str] = []  # the class of each row (``old`` for the cases of the older commands)
+_CLASS = ["old"]
+REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
+M = ROOT / "models"  # the scratch copy of the committed models
+DAMAGED: list[str] = []  # cases that changed the scratch models (restored after each)
+
+
+def _quick(root: Path) -> dict[str, tuple[int, int, int]]:
+    """(size, mtime_ns, inode) of every file under ``root`` (directories by name only: a writability probe
+    touches their mtime): changes when any file is written, replaced, added or removed."""
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino) if p.is_file()
+            else (0, 0, 0) for p in sorted(root.rglob("*"))}
 
 
 class Hang(Exception):
@@ -49,26 +74,59 @@ def _alarm(*_):  # type: ignore[no-untyped-def]
     raise Hang()
 
 
-def cli(name: str, args: list[object], expect_ok: bool = False, check=None, writes: bool = False) -> None:  # type: ignore[no-untyped-def]
-    before = fingerprint(ROOT / "w")
-    err, out = io.StringIO(), io.StringIO()
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(90)
-    code: object = None
+ALARM = int(os.environ.get("SWEEP_ALARM", "90"))  # seconds before a case counts as a hang
+SKIP = int(os.environ.get("SWEEP_SKIP", "0"))  # CLI cases to skip (recorded by an earlier, interrupted run)
+_SEEN = [0]
+
+
+def _isolated(args: list[object]) -> tuple[object, str, str]:
+    """Run ``kvstate ARGS`` in a child process (a case that may crash the interpreter): (code, stderr, stdout)."""
+    import subprocess
+
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            main([str(a) for a in args])
-    except SystemExit as exc:
-        code = exc.code if exc.code is not None else 0
-    except Hang:
-        code = "hang"
-    except BaseException as exc:
-        code = f"{type(exc).__name__}: {exc}"
-    finally:
-        signal.alarm(0)
+        done = subprocess.run([sys.executable, "-c", "from kvstate.cli import main; main()", *map(str, args)],
+                              capture_output=True, text=True, timeout=ALARM, env=os.environ.copy())
+    except subprocess.TimeoutExpired:
+        return "hang", "", ""
+    code: object = done.returncode if done.returncode >= 0 else f"crashed: signal {-done.returncode}"
+    return code, done.stderr, done.stdout
+
+
+def cli(name: str, args: list[object], expect_ok: bool = False, check=None, writes: bool = False,  # type: ignore[no-untyped-def]
+        isolate: bool = False) -> None:
+    _SEEN[0] += 1
+    if _SEEN[0] <= SKIP:  # resuming a sweep that stopped: these cases were recorded by the earlier run
+        return
+    before = fingerprint(ROOT / "w")
+    models_before = _quick(M)
+    err, out = io.StringIO(), io.StringIO()
+    code: object = None
+    if isolate:
+        code, etext, otext = _isolated(args)
+        err.write(etext)
+        out.write(otext)
+    else:
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(ALARM)
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+                main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if exc.code is not None else 0
+        except Hang:
+            code = "hang"
+        except BaseException as exc:
+            code = f"{type(exc).__name__}: {exc}"
+        finally:
+            signal.alarm(0)
     text = err.getvalue()
     lines = [ln for ln in text.splitlines() if ln.strip() and "Loading weights" not in ln]
-    changed = not writes and fingerprint(ROOT / "w") != before
+    models_changed = _quick(M) != models_before
+    if models_changed:  # put the committed models back, so that later cases see them whole
+        DAMAGED.append(name)
+        shutil.rmtree(M, ignore_errors=True)
+        shutil.copytree(REPO_MODELS, M)
+    changed = models_changed or (not writes and fingerprint(ROOT / "w") != before)
     if code == "hang":
         outcome = "HANG"
     elif changed:
@@ -82,12 +140,14 @@ def cli(name: str, args: list[object], expect_ok: bool = False, check=None, writ
         outcome = "TRACEBACK"
     detail = lines[0][7:] if outcome == "error2" else (str(code)[:120] if outcome == "TRACEBACK" else out.getvalue().strip()[-100:])
     rows.append(("cli", name, outcome, " ".join(detail.split())[:110]))
+    classes.append(_CLASS[0])
     print(f"{outcome:9} {name}", file=sys.__stderr__, flush=True)
 
 
 def api(name: str, fn, check=None) -> None:  # type: ignore[no-untyped-def]
     from kvstate.errors import KVStateError
 
+    classes.append(_CLASS[0])
     try:
         result = fn()
     except (KVStateError, ValueError) as exc:
@@ -96,7 +156,10 @@ def api(name: str, fn, check=None) -> None:  # type: ignore[no-untyped-def]
     except BaseException as exc:
         rows.append(("api", name, "WRONG", f"{type(exc).__name__}: {exc}"[:110]))
         return
-    ok = check is not None and check(result)
+    try:
+        ok = check is not None and bool(check(result))
+    except Exception:
+        ok = False
     rows.append(("api", name, "ok" if ok else "WRONG", repr(result)[:110]))
 
 
@@ -396,8 +459,9 @@ def api_cases() -> None:
     for label, kw in (("budget nan", {"budget_bytes": math.nan}), ("budget inf", {"budget_bytes": math.inf}),
                       ("budget -1", {"budget_bytes": -1}), ("budget True", {"budget_bytes": True}),
                       ("budget '1000'", {"budget_bytes": "1000"}), ("slots -1", {"budget_bytes": 10**8, "slots_per_entry": -1}),
-                      ("align 0", {"budget_bytes": 10**8, "align": 0}), ("gamma 0", {"budget_bytes": 10**8, "gamma": 0.0}),
-                      ("alpha nan", {"budget_bytes": 10**8, "alpha": math.nan}), ("block_size 0", {"budget_bytes": 10**8, "block_size": 0})):
+                      ("align 0", {"budget_bytes": 10**8, "align": 0}),
+                      ("alpha nan", {"budget_bytes": 10**8, "alpha": math.nan}), ("block_size 0", {"budget_bytes": 10**8, "block_size": 0}),
+                      ("policy 'nope'", {"budget_bytes": 10**8, "policy": "nope"})):
         api(f"SparsePrefixCache({label})", lambda kw=kw: SparsePrefixCache(model, **kw))
     api("SparsePrefixCache.lookup(batch of 2)", lambda: SparsePrefixCache(model, 10**8).lookup(torch.zeros(2, 8, dtype=torch.long)))
     for label, kw in (("lr=inf", {"lr": math.inf}), ("lr=nan", {"lr": math.nan}), ("warmup_steps=0", {"warmup_steps": 0}),
@@ -423,31 +487,508 @@ def api_cases() -> None:
     api("run_tasks(length 16000 > positions)", lambda: run_tasks(lm, tok, ["niah_single"], [16000], 1, 0))
 
 
+# ---------------------------------------------------------------------------------------------------------
+# depth / semantic / transfer: the output rule, trusted files, bounds, lists, API misuse, the server
+
+
+BIG = ROOT / "big"  # copies of committed models that cases damage or write into (not the scratch models/)
+
+
+def klass(name: str) -> None:
+    _CLASS[0] = name
+
+
+def _copy(src: str, name: str) -> Path:
+    d = BIG / name
+    shutil.copytree(M / src, d)
+    return d
+
+
+def _refresh(d: Path) -> None:
+    """Rewrite the checksums of a damaged copy, so only the damage itself (not the checksum) can catch it."""
+    from kvstate.integrity import refresh_manifest
+
+    if (d / "manifest.json").is_file():
+        with contextlib.suppress(Exception):
+            refresh_manifest(d)
+
+
+def _tensor_copy(src: str, name: str, weights: str, edit) -> Path:  # type: ignore[no-untyped-def]
+    d = _copy(src, name)
+    save_file({k: v.contiguous() for k, v in edit(load_file(d / weights)).items()}, d / weights,
+              metadata={"format": "pt"})
+    _refresh(d)
+    return d
+
+
+def _raw_copy(src: str, name: str, path: str, edit) -> Path:  # type: ignore[no-untyped-def]
+    d = _copy(src, name)
+    (d / path).write_bytes(edit((d / path).read_bytes() if (d / path).is_file() else b""))
+    return d
+
+
+def _flip(b: bytes) -> bytes:
+    return b[:-1] + bytes([b[-1] ^ 0x40])  # the exponent's top bit of the last float: a huge, finite weight
+
+
+def _runs(path: Path) -> list:  # type: ignore[type-arg]
+    from kvstate.lab.provenance import read_runs
+
+    return read_runs(path)
+
+
+class _Server:
+    """The committed producer behind an in-process server (started once, for generate and the raw frames)."""
+
+    def __init__(self) -> None:
+        from kvstate.lab.harness import load_reference
+        from kvstate.transfer.codec import Codec
+        from kvstate.transfer.serving import producer_service
+        from kvstate.transfer.store import MemoryStore
+        from kvstate.transfer.transport import ServerConfig, ServerThread
+
+        model, self.tok = load_reference(M / "ref-attn")
+        self.codec = Codec.load(M / "codec-ref-attn-ft")
+        self.thread = ServerThread(producer_service(model, self.codec, MemoryStore()), ServerConfig(timeout_s=60))
+        self.thread.__enter__()
+        self.address = f"127.0.0.1:{self.thread.port}"
+
+    def close(self) -> None:
+        self.thread.__exit__(None, None, None)
+
+
+def srv(server: _Server, name: str, body: bytes, expect_ok: bool = False) -> None:
+    """Send one raw request frame; a bad request must get an error reply on a connection that still answers."""
+    import socket
+    import struct
+
+    classes.append(_CLASS[0])
+
+    def frame(sock: socket.socket) -> bytes:
+        head = b""
+        while len(head) < 4:
+            got = sock.recv(4 - len(head))
+            if not got:
+                raise ConnectionError("closed")
+            head += got
+        (n,) = struct.unpack(">I", head)
+        data = b""
+        while len(data) < n:
+            got = sock.recv(min(1 << 20, n - len(data)))
+            if not got:
+                raise ConnectionError("closed")
+            data += got
+        return data
+
+    host, port = server.address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=90) as sock:
+            sock.sendall(struct.pack(">I", len(body)) + body)
+            reply = json.loads(frame(sock))
+            if reply.get("ok"):
+                frame(sock)  # the payload
+            sock.sendall(struct.pack(">I", 15) + b'{"op": "hello"}')
+            alive = json.loads(frame(sock)).get("ok") is True
+    except (OSError, ValueError, ConnectionError) as exc:
+        rows.append(("srv", name, "WRONG", f"connection dropped: {type(exc).__name__}: {exc}"[:110]))
+        return
+    if reply.get("ok"):
+        outcome = "ok" if expect_ok and alive else "WRONG"
+        detail = f"accepted ({reply.get('bytes')} payload bytes, {reply.get('encode_ms')} ms)"
+    else:
+        outcome = "WRONG" if expect_ok or not alive else "error"
+        detail = str(reply.get("error"))
+    rows.append(("srv", name, outcome, " ".join(detail.split())[:110]))
+    print(f"{outcome:9} srv {name}", file=sys.__stderr__, flush=True)
+
+
+def depth_cases() -> None:
+    w = ROOT / "w"
+    klass("out")
+
+    def dt(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"depth train: {label}", ["depth", "train", *args], **kw)
+    dt("--out = --model (committed)", "--model", M / "ref-attn", "--out", M / "ref-attn", "--tokens", "256")
+    dt("--out = --model --overwrite", "--model", M / "ref-attn", "--out", M / "ref-attn", "--tokens", "256", "--overwrite")
+    dt("--out = --model --resume", "--model", M / "ref-attn", "--out", M / "ref-attn", "--tokens", "256", "--resume")
+    dt("--resume --out a committed non-depth model", "--model", M / "ref-attn", "--out", M / "ref-attn-ft", "--tokens",
+       "256", "--resume")
+    dt("--out a router dir --overwrite", "--model", M / "ref-attn", "--out", M / "ref-attn-sekv", "--tokens", "256",
+       "--overwrite")
+    dt("--out a codec dir --overwrite", "--model", M / "ref-attn", "--out", M / "codec-ref-attn-ft", "--tokens", "256",
+       "--overwrite")
+    dt("--out inside --model", "--model", M / "ref-attn", "--out", M / "ref-attn" / "run", "--tokens", "256")
+    dt("--out holds --model", "--model", M / "ref-attn", "--out", M, "--tokens", "256", "--overwrite")
+    dt("--out another committed model (no --overwrite)", "--model", M / "ref-attn", "--out", M / "ref-attn-ft",
+       "--tokens", "256")
+    dt("--resume with nothing to resume", "--model", M / "ref-attn", "--out", w / "dnone", "--tokens", "256", "--resume")
+    cli("depth init-kv1: --out = --model", ["depth", "init-kv1", "--model", M / "ref-attn", "--out", M / "ref-attn",
+                                            "--overwrite"])
+    cli("depth init-kv1: --out a router dir", ["depth", "init-kv1", "--model", M / "ref-attn", "--out",
+                                               M / "ref-attn-sekv", "--overwrite"])
+    cli("depth card: a committed non-depth model", ["depth", "card", "--model", M / "ref-attn"])
+    d = w / "dcard"
+    d.mkdir()
+    for f in ("training_state.json", "depth_eval.json"):
+        shutil.copy(M / "ref-attn-rcla" / f, d / f)
+    (d / "README.md").write_text("# my own notes\n")
+    cli("depth card: over a hand-written README", ["depth", "card", "--model", d])
+    d = _copy("ref-attn-rcla", "dcard-ok")
+    cli("depth card: regenerate its own card (valid)", ["depth", "card", "--model", d], expect_ok=True,
+        check=lambda o: "Generated by `kvstate depth card`" in (d / "README.md").read_text())
+
+    def de(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"depth eval: {label}", ["depth", "eval", "--model", kw.pop("model", M / "ref-attn"), *args], **kw)
+    de("--out the model's config.json", "--n", "1", "--out", M / "ref-attn" / "config.json")
+    de("--out the model's weights", "--n", "1", "--out", M / "ref-attn" / "model.safetensors")
+    de("--out the model's manifest", "--n", "1", "--out", M / "ref-attn" / "manifest.json", "--overwrite")
+    de("--out a directory", "--n", "1", "--out", M / "ref-attn")
+    de("--out a README (not results)", "--n", "1", "--out", M / "ref-attn" / "README.md")
+    klass("trust")
+    de("--model with a flipped weight byte", "--n", "1", "--keep", "1",
+       model=_raw_copy("ref-attn", "m-flip", "model.safetensors", _flip))
+    de("--model with a truncated manifest", "--n", "1", "--keep", "1",
+       model=_raw_copy("ref-attn", "m-badman", "manifest.json", lambda b: b[: len(b) // 2]))
+    cli("eval: committed model with a flipped weight byte", ["eval", "--model", BIG / "m-flip", "--task", "niah_single",
+                                                            "--length", "128", "--n", "1"])
+    klass("bound")
+    for label, args in (("--length 16384 > positions", ["--length", "16384"]), ("--length 100", ["--length", "100"]),
+                        ("--length 0", ["--length", "0"]), ("--length -64", ["--length", "-64"]),
+                        ("--length 2^40", ["--length", str(2**40)]), ("--minutes nan", ["--minutes", "nan"]),
+                        ("--minutes inf", ["--minutes", "inf"]), ("--minutes 0", ["--minutes", "0"]),
+                        ("--tokens 0", ["--tokens", "0"]), ("--tokens 10^30", ["--tokens", str(10**30)]),
+                        ("--p 2", ["--p", "2"]), ("--p nan", ["--p", "nan"]), ("--seed -1", ["--seed", "-1"]),
+                        ("--seed 2^70", ["--seed", str(2**70)]), ("--rule nope", ["--rule", "nope"])):
+        dt(label, "--model", M / "ref-attn", "--out", w / "dnew", *(["--tokens", "256"] if "--tokens" not in args
+                                                                     and "--minutes" not in args else []), *args)
+    dt("no budget", "--model", M / "ref-attn", "--out", w / "dnew")
+    dt("--set lr=nan", "--model", M / "ref-attn", "--out", w / "dnew", "--tokens", "256", "--set", "lr=NaN")
+    klass("list")
+    dt("--pattern ²", "--model", M / "ref-attn", "--out", w / "dnew", "--tokens", "256", "--pattern", "0_0_²_2")
+    dt("--pattern wrong length", "--model", M / "ref-attn", "--out", w / "dnew", "--tokens", "256", "--pattern", "0_0_2")
+    dt("--pattern empty", "--model", M / "ref-attn", "--out", w / "dnew", "--tokens", "256", "--pattern", "")
+    for label, keep in (("duplicate", "1,1"), ("1K and 1024 style duplicate", "0.5,.5"), ("empty", ""),
+                        ("empty item", "1,,0.5"), ("0", "0"), ("1.5", "1.5"), ("nan", "nan"), ("²", "²")):
+        de(f"--keep {label}", "--n", "1", "--keep", keep)
+    klass("bound")
+    de("--pattern-kind nope", "--n", "1", "--pattern-kind", "nope")
+    de("--n 0", "--n", "0")
+    de("--n 10^7", "--n", str(10**7))
+    de("--seed -1", "--seed", "-1")
+
+
+def semantic_cases() -> None:
+    w = ROOT / "w"
+    klass("out")
+
+    def st(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"semantic train: {label}", ["semantic", "train", "--model", kw.pop("model", M / "ref-attn"), *args], **kw)
+    st("--out = --model --overwrite", "--out", M / "ref-attn", "--max-steps", "1", "--overwrite")
+    st("--out a model dir --overwrite", "--out", M / "ref-attn-ft", "--max-steps", "1", "--overwrite")
+    st("--out a codec dir --overwrite", "--out", M / "codec-ref-attn-ft", "--max-steps", "1", "--overwrite")
+    st("--out a router (no --overwrite)", "--out", M / "ref-attn-sekv", "--max-steps", "1")
+    st("--out an existing file", "--out", M / "ref-attn" / "config.json", "--max-steps", "1")
+
+    def se(label, *args, **kw):  # type: ignore[no-untyped-def]
+        base = ["--task", "niah_single", "--length", "128", "--n", "1", "--methods", "full"]
+        cli(f"semantic eval: {label}", ["semantic", "eval", "--model", kw.pop("model", M / "ref-attn"), *base, *args], **kw)
+    se("--out the model's config.json", "--out", M / "ref-attn" / "config.json")
+    se("--out the router's manifest", "--out", M / "ref-attn-sekv" / "manifest.json", "--overwrite")
+    se("--out the router's weights", "--out", M / "ref-attn-sekv" / "router.safetensors")
+    se("--out a model card (not results)", "--out", M / "ref-attn" / "README.md")
+    se("--kvpress-venv a model dir", "--methods", "full,kvpress", "--kvpress-venv", M / "ref-attn")
+    d = _copy("ref-attn-sekv", "sekv-append")
+    before = len(_runs(d / "eval.json"))
+    first = _runs(d / "eval.json")[0]
+    se("--out a committed eval.json appends (valid)", "--router", d, "--methods", "full,sekv", "--budget", "0.5",
+       "--out", d / "eval.json", expect_ok=True, writes=True,
+       check=lambda o: len(_runs(d / "eval.json")) == before + 1 and _runs(d / "eval.json")[0] == first)
+    klass("trust")
+    se("--router trained for another model", "--router", M / "ref-hybrid-sekv", "--methods", "sekv")
+    se("--router truncated", "--methods", "sekv", "--router",
+       _raw_copy("ref-attn-sekv", "r-trunc", "router.safetensors", lambda b: b[: len(b) // 2]))
+    se("--router manifest not JSON", "--methods", "sekv", "--router",
+       _raw_copy("ref-attn-sekv", "r-manifest", "manifest.json", lambda b: b"not json"))
+    se("--router missing a tensor", "--methods", "sekv", "--router",
+       _tensor_copy("ref-attn-sekv", "r-missing", "router.safetensors", lambda t: {k: v for k, v in t.items() if k != "alpha"}))
+    se("--router bf16 tensors", "--methods", "sekv", "--router",
+       _tensor_copy("ref-attn-sekv", "r-bf16", "router.safetensors", lambda t: {k: v.bfloat16() for k, v in t.items()}))
+    se("--router NaN tensor", "--methods", "sekv", "--router",
+       _tensor_copy("ref-attn-sekv", "r-nan", "router.safetensors", lambda t: {k: v * math.nan if k == "beta" else v
+                                                                              for k, v in t.items()}))
+    se("--router a model dir", "--methods", "sekv", "--router", M / "ref-attn-ft")
+    klass("bound")
+    se("--length 8192 (no room for the question)", "--length", "8192")
+    se("--length 100000", "--length", "100000")
+    se("--n 0", "--n", "0")
+    se("--n 10^7", "--n", str(10**7))
+    se("--threads 0", "--threads", "0")
+    se("--threads -1", "--threads", "-1")
+    se("--threads 10^6", "--threads", str(10**6), isolate=True)  # torch's OpenMP may crash the interpreter
+    se("--seed -1", "--seed", "-1")
+    for label, args in (("--length 16384", ["--length", "16384"]), ("--length 32", ["--length", "32"]),
+                        ("--threads 0", ["--threads", "0"]), ("--minutes nan", ["--minutes", "nan"]),
+                        ("--minutes inf", ["--minutes", "inf"]), ("--max-steps 0", ["--max-steps", "0"]),
+                        ("--max-steps -1", ["--max-steps", "-1"]), ("--budget 0", ["--budget", "0"]),
+                        ("--budget nan", ["--budget", "nan"]), ("--budget 2", ["--budget", "2"]),
+                        ("--seed -1", ["--seed", "-1"])):
+        st(label, "--out", w / "snew", *args)
+    klass("list")
+    for label, args in (("--budget duplicate", ["--budget", "0.25,0.25"]), ("--budget empty", ["--budget", ""]),
+                        ("--length duplicate", ["--length", "128,128"]), ("--length 1K,1024", ["--length", "1K,1024"]),
+                        ("--length empty", ["--length", ""]), ("--length ²", ["--length", "1²8"]),
+                        ("--task duplicate", ["--task", "niah_single,niah_single"]), ("--task empty", ["--task", ""]),
+                        ("--task text", ["--task", "text"]), ("--methods duplicate", ["--methods", "full,full"]),
+                        ("--methods empty", ["--methods", ""]),
+                        ("--methods kvpress + one of its presses", ["--methods", "kvpress,SnapKVPress"]),
+                        ("--methods unknown", ["--methods", "full,nope"])):
+        se(label, *args)
+    for label, args in (("--length duplicate", ["--length", "128,128"]), ("--length empty", ["--length", ""]),
+                        ("--length ²", ["--length", "²"])):
+        st(label, "--out", w / "snew", *args)
+
+
+def transfer_cases(server: _Server) -> None:
+    w = ROOT / "w"
+    pc = ["--producer", M / "ref-attn", "--consumer", M / "ref-attn-ft"]
+    small = ["--prefixes", "4", "--length", "96"]
+    klass("out")
+
+    def cal(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"transfer calibrate: {label}", ["transfer", "calibrate", *pc, *args], **kw)
+    cal("--out = --producer", "--out", M / "ref-attn", *small, "--overwrite")
+    cal("--out = --consumer", "--out", M / "ref-attn-ft", *small, "--overwrite")
+    cal("--out a model dir --overwrite", "--out", M / "ref-attn-rcla", *small, "--overwrite")
+    cal("--out a router dir --overwrite", "--out", M / "ref-attn-sekv", *small, "--overwrite")
+    cal("--out the committed codec (no --overwrite)", "--out", M / "codec-ref-attn-ft", *small)
+    cal("--out inside the producer", "--out", M / "ref-attn" / "codec", *small)
+
+    def card(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"transfer card: {label}", ["transfer", "card", *args], **kw)
+    card("no arguments")
+    card("--command only", "--command", "x")
+    card("committed consumer README, no --overwrite", "--model", M / "ref-attn-ft", "--base", M / "ref-attn",
+         "--command", "x")
+    card("committed codec README, no --overwrite", "--codec", M / "codec-ref-attn-ft", "--command", "x")
+    card("--codec a model dir", "--codec", M / "ref-attn", "--command", "x", "--overwrite")
+    card("--model a codec dir", "--model", M / "codec-ref-attn-ft", "--base", M / "ref-attn", "--command", "x")
+    card("no --command", "--model", M / "ref-attn-ft", "--base", M / "ref-attn", "--overwrite")
+
+    def bench(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"transfer bench: {label}", ["transfer", "bench", *pc, "--codec", M / "codec-ref-attn-ft", *args], **kw)
+    bench("--out the codec's weights", "--out", M / "codec-ref-attn-ft" / "codec.safetensors")
+    bench("--out the codec's manifest", "--out", M / "codec-ref-attn-ft" / "manifest.json", "--overwrite")
+    bench("--out the consumer's config", "--out", M / "ref-attn-ft" / "config.json")
+    klass("trust")
+
+    def gen(label, *args, **kw):  # type: ignore[no-untyped-def]
+        cli(f"transfer generate: {label}", ["transfer", "generate", "--consumer", kw.pop("consumer", M / "ref-attn-ft"),
+                                            "--server", server.address, "--prompt", "the secret code of apple is",
+                                            *args], **kw)
+    for label, name, how in (
+            ("missing a tensor", "c-missing", lambda t: {k: v for k, v in t.items() if k != "k.2.dec"}),
+            ("bf16 tensors", "c-bf16", lambda t: {k: v.bfloat16() for k, v in t.items()}),
+            ("a NaN tensor", "c-nan", lambda t: {k: v * math.nan if k == "v.1.mu_out" else v for k, v in t.items()}),
+            ("a mis-shaped tensor", "c-shape", lambda t: {k: v[..., :-1] if k == "k.0.enc" else v for k, v in t.items()})):
+        gen(f"--codec {label}", "--codec", _tensor_copy("codec-ref-attn-ft", name, "codec.safetensors", how))
+    gen("--codec truncated", "--codec", _raw_copy("codec-ref-attn-ft", "c-trunc", "codec.safetensors",
+                                                  lambda b: b[: len(b) // 2]))
+    gen("--codec flipped byte", "--codec", _raw_copy("codec-ref-attn-ft", "c-flip", "codec.safetensors", _flip))
+    gen("--codec manifest not JSON", "--codec", _raw_copy("codec-ref-attn-ft", "c-man", "manifest.json",
+                                                          lambda b: b"{not json"))
+    gen("--codec a model dir", "--codec", M / "ref-attn")
+    gen("--consumer with a flipped weight byte", "--codec", M / "codec-ref-attn-ft",
+        consumer=_raw_copy("ref-attn-ft", "ft-flip", "model.safetensors", _flip))
+    cli("transfer serve: --codec missing a tensor", ["transfer", "serve", "--producer", M / "ref-attn", "--codec",
+                                                     BIG / "c-missing", "--port", "0"])
+    klass("bound")
+    gen("--max-new-tokens 20000", "--codec", M / "codec-ref-attn-ft", "--max-new-tokens", "20000")
+    gen("--max-new-tokens 0", "--codec", M / "codec-ref-attn-ft", "--max-new-tokens", "0")
+    gen("--prompt longer than the positions", "--codec", M / "codec-ref-attn-ft", "--prompt",
+        " ".join(["apple"] * 9000))
+    gen("--timeout nan", "--codec", M / "codec-ref-attn-ft", "--timeout", "nan")
+    gen("--timeout 0", "--codec", M / "codec-ref-attn-ft", "--timeout", "0")
+    gen("--threads 0", "--codec", M / "codec-ref-attn-ft", "--threads", "0")
+    gen("--server no port", "--codec", M / "codec-ref-attn-ft", "--server", "localhost")
+    gen("valid: 4 new tokens", "--codec", M / "codec-ref-attn-ft", "--max-new-tokens", "4", "--json", expect_ok=True,
+        check=lambda o: json.loads(o.strip().splitlines()[-1])["new_tokens"] >= 1)
+    for label, args in (("--length 100000", ["--length", "100000"]), ("--length 16384", ["--length", "16384"]),
+                        ("--prefixes 2", ["--prefixes", "2", "--length", "96"]),
+                        ("--prefixes 10^9", ["--prefixes", str(10**9), "--length", "96"]),
+                        ("--threads 0", [*small, "--threads", "0"]), ("--threads -3", [*small, "--threads", "-3"]),
+                        ("--seed -1", [*small, "--seed", "-1"]), ("--rank-k 0", [*small, "--rank-k", "0"]),
+                        ("--rank-k 999", [*small, "--rank-k", "999"]), ("--bits 3", [*small, "--bits", "3"]),
+                        ("--reuse-map nope", [*small, "--reuse-map", "nope"])):
+        cal(label, "--out", w / "cnew", *args)
+    for label, args in (("--port 70000", ["--port", "70000"]), ("--port -1", ["--port", "-1"]),
+                        ("--threads 0", ["--threads", "0"]), ("--max-tokens 0", ["--max-tokens", "0"]),
+                        ("--store nope://", ["--store", "nope://x"])):
+        cli(f"transfer serve: {label}", ["transfer", "serve", "--producer", M / "ref-attn", "--codec",
+                                         M / "codec-ref-attn-ft", *args])
+    bench("--n 0", "--n", "0")
+    bench("--n 10^7", "--n", str(10**7))
+    bench("--ppl-n -1", "--ppl-n", "-1")
+    bench("--threads 0", "--threads", "0")
+    bench("--length 100000", "--length", "100000")
+    klass("list")
+    cal("--patch ²", "--out", w / "cnew", *small, "--patch", "²")
+    cal("--patch -1", "--out", w / "cnew", *small, "--patch", "-1")
+    bench("--length duplicate", "--length", "128,128")
+    bench("--length empty", "--length", "")
+    bench("--length 1K,1024", "--length", "1K,1024")
+
+
+def server_cases(server: _Server) -> None:
+    klass("srv")
+    vocab = len(server.tok)
+    srv(server, "ids >= vocabulary", json.dumps({"op": "encode", "ids": [1, 2, vocab + 5]}).encode())
+    srv(server, "ids = 2^31 - 1", json.dumps({"op": "encode", "ids": [1, 2**31 - 1]}).encode())
+    srv(server, "negative id", json.dumps({"op": "encode", "ids": [1, -1]}).encode())
+    srv(server, "float ids", json.dumps({"op": "encode", "ids": [1.0, 2.5]}).encode())
+    srv(server, "bool ids", json.dumps({"op": "encode", "ids": [True, 2]}).encode())
+    srv(server, "empty ids", json.dumps({"op": "encode", "ids": []}).encode())
+    srv(server, "32768 tokens (> the producer's 8192 positions)",
+        json.dumps({"op": "encode", "ids": [5] * 32768}).encode())
+    srv(server, "8193 tokens", json.dumps({"op": "encode", "ids": [5] * 8193}).encode())
+    srv(server, "deeply nested JSON", b"[" * 200_000 + b"]" * 200_000)
+    srv(server, "deeply nested ids", json.dumps({"op": "encode"}).encode()[:-1] + b', "ids": ' + b"[" * 100_000
+        + b"]" * 100_000 + b"}")
+    srv(server, "unknown op", json.dumps({"op": "drop tables"}).encode())
+    srv(server, "not JSON", b"\xff\xfe not json")
+    srv(server, "a JSON list", b"[1, 2, 3]")
+    srv(server, "valid: 16 tokens", json.dumps({"op": "encode", "ids": list(range(3, 19))}).encode(), expect_ok=True)
+
+
+def api_axis_cases(server: _Server) -> None:
+    import torch
+
+    from kvstate.lab.depth.train import DepthTrainConfig
+    from kvstate.lab.harness import load_reference
+    from kvstate.lab.semantic.train import TrainConfig as SemanticTrainConfig
+    from kvstate.semantic import SemanticCache, SemanticConfig, SemanticRouter, prefill_and_compress
+    from kvstate.semantic.segment import SegmentConfig
+    from kvstate.transfer import CalibrationConfig, CodecConfig, Payload, ServerConfig, fetch_payload
+
+    klass("api")
+    for label, kw in (("budget=True", {"budget": True}), ("budget=nan", {"budget": math.nan}),
+                      ("budget='0.5'", {"budget": "0.5"}), ("rank=True", {"rank": True}), ("rank=2.0", {"rank": 2.0}),
+                      ("sticky='no'", {"sticky": "no"}), ("slow_tier=0", {"slow_tier": 0}),
+                      ("segment=None", {"segment": None}), ("zoom='most'", {"zoom": "most"})):
+        api(f"SemanticConfig({label})", lambda kw=kw: SemanticConfig(**kw))
+    for label, kw in (("min_span=True", {"min_span": True}), ("anchor_fraction=nan", {"anchor_fraction": math.nan}),
+                      ("threshold=inf", {"threshold": math.inf}), ("sinks=2.0", {"sinks": 2.0})):
+        api(f"SegmentConfig({label})", lambda kw=kw: SegmentConfig(**kw))
+    for label, kw in (("lengths=(128, 128)", {"lengths": (128, 128)}), ("budget=True", {"budget": True}),
+                      ("minutes=inf", {"minutes": math.inf}), ("max_steps=0", {"max_steps": 0}),
+                      ("tasks=('poems',)", {"tasks": ("poems",)}), ("seed=-1", {"seed": -1}), ("lr=nan", {"lr": math.nan})):
+        api(f"semantic TrainConfig({label})", lambda kw=kw: SemanticTrainConfig(**kw))
+    for label, kw in (("p=True", {"p": True, "tokens": 256}), ("minutes=inf", {"minutes": math.inf}),
+                      ("length=True", {"length": True, "tokens": 256}), ("tokens=0.5", {"tokens": 0.5}),
+                      ("seed=-1", {"seed": -1, "tokens": 256}), ("pattern=7", {"pattern": 7, "tokens": 256})):
+        api(f"DepthTrainConfig({label})", lambda kw=kw: DepthTrainConfig(**kw))
+    model, _ = load_reference(M / "ref-attn")
+    ft, _ = load_reference(M / "ref-attn-ft")
+    router = SemanticRouter.load(M / "ref-attn-sekv")
+    for label, ids in (("batch of 2", torch.zeros(2, 16, dtype=torch.long)), ("float ids", torch.zeros(1, 16)),
+                       ("ids >= vocabulary", torch.full((1, 16), 1490)), ("negative ids", torch.full((1, 16), -1)),
+                       ("1-D ids", torch.zeros(16, dtype=torch.long)), ("no tokens", torch.zeros(1, 0, dtype=torch.long)),
+                       ("8193 tokens > positions", torch.full((1, 8193), 5)), ("a list", [[1, 2, 3]])):
+        api(f"prefill_and_compress({label})",
+            lambda ids=ids: prefill_and_compress(model, SemanticCache(model, router), ids))
+    api("prefill_and_compress(cache of another model)",
+        lambda: prefill_and_compress(ft, SemanticCache(model, router), torch.full((1, 64), 5)))
+    api("SemanticCache(router trained for another model)", lambda: SemanticCache(ft, router))
+    api("SemanticCache(config='fast')", lambda: SemanticCache(model, router, "fast"))  # type: ignore[arg-type]
+    api("prefill_and_compress(valid 128 tokens)",
+        lambda: prefill_and_compress(model, SemanticCache(model, router, SemanticConfig(budget=0.5)),
+                                     torch.randint(5, 1000, (1, 128), generator=torch.Generator().manual_seed(0))),
+        check=lambda r: tuple(r.shape) == (1, 128, 1490) and bool(torch.isfinite(r).all()))
+    codec = server.codec
+    for label, ids in (("ids >= vocabulary", torch.full((1, 16), 1490)), ("float ids", torch.zeros(1, 16)),
+                       ("batch of 2", torch.zeros(2, 16, dtype=torch.long)), ("1-D ids", torch.zeros(16, dtype=torch.long)),
+                       ("8193 tokens > positions", torch.full((1, 8193), 5))):
+        api(f"Codec.encode({label})", lambda ids=ids: codec.encode(model, ids))
+    good = codec.encode(model, torch.full((1, 16), 5))
+    absurd = {k: (v * 1e30 if k.endswith(".scale") else v) for k, v in good.tensors.items()}
+    api("Codec.decode(absurd producer-side scales)",
+        lambda: codec.decode(ft, Payload(good.pair, good.n_tokens, good.token_hash, absurd, good.meta)))
+    api("Codec.decode(valid payload)", lambda: codec.decode(ft, good),
+        check=lambda c: c.get_seq_length() == 16)
+    api("fetch_payload(float ids)", lambda: fetch_payload(server.address, [1.7, 2.2], codec.pair, timeout=30))
+    api("fetch_payload(timeout=nan)", lambda: fetch_payload(server.address, [1, 2], codec.pair, timeout=math.nan))
+    for label, kw in (("port=True", {"port": True}), ("timeout_s=nan", {"timeout_s": math.nan}),
+                      ("max_tokens=0", {"max_tokens": 0}), ("max_request_bytes=2.5", {"max_request_bytes": 2.5})):
+        api(f"ServerConfig({label})", lambda kw=kw: ServerConfig(**kw))
+    for label, kw in (("rank_k=True", {"rank_k": True, "rank_v": 4, "rank_h": 4}),
+                      ("patch_layers=(1.5,)", {"rank_k": 4, "rank_v": 4, "rank_h": 4, "patch_layers": (1.5,)})):
+        api(f"CodecConfig({label})", lambda kw=kw: CodecConfig(**kw))
+    for label, kw in (("prefixes=True", {"prefixes": True}), ("ridge=nan", {"ridge": math.nan}),
+                      ("seed=-1", {"seed": -1}), ("length=2.5", {"length": 2.5}), ("tasks=()", {"tasks": ()})):
+        api(f"CalibrationConfig({label})", lambda kw=kw: CalibrationConfig(**kw))
+
+
+def _section(fn, *args) -> None:  # type: ignore[no-untyped-def]
+    """Run one group of cases; a crash of the sweep itself is one ``SWEEP`` row, and the next group runs."""
+    try:
+        fn(*args)
+    except Exception as exc:
+        classes.append(_CLASS[0])
+        rows.append(("all", f"{fn.__name__} stopped", "SWEEP", f"{type(exc).__name__}: {exc}"[:110]))
+
+
+def axis_cases() -> None:
+    shutil.copytree(REPO_MODELS, M)
+    BIG.mkdir()
+    wanted = sys.argv[sys.argv.index("--sections") + 1].split(",") if "--sections" in sys.argv else [
+        "depth", "semantic", "transfer", "server", "api"]
+    if "depth" in wanted:
+        _section(depth_cases)
+    if "semantic" in wanted:
+        _section(semantic_cases)
+    server = _Server()
+    try:
+        for name, fn in (("transfer", transfer_cases), ("server", server_cases), ("api", api_axis_cases)):
+            if name in wanted:
+                _section(fn, server)
+    finally:
+        server.close()
+    same = not DAMAGED and fingerprint(M) == fingerprint(REPO_MODELS)
+    classes.append("out")
+    rows.append(("all", "models/ byte-identical after every case", "ok" if same else "DISK",
+                 "every file's SHA-256, size and mode equal" if same else
+                 f"changed by {len(DAMAGED)} case(s), e.g. {', '.join(DAMAGED[:3])}"))
+
+
 def report() -> None:
     counts = Counter((kind, outcome) for kind, _, outcome, _ in rows)
+    by_class = Counter(f"{c}:{'pass' if r[2] in ('error', 'error2', 'ok') else r[2]}" for c, r in zip(classes, rows, strict=True))
     width = max(len(r[1]) for r in rows)
     for i, (kind, name, outcome, detail) in enumerate(rows, 1):
         print(f"{i:3} {kind:3} {name:{width}} {outcome:9} {detail}")
-    bad = [r for r in rows if r[2] in ("SILENT", "SILENT-2", "TRACEBACK", "HANG", "DISK", "WRONG")]
+    bad = [r for r in rows if r[2] in ("SILENT", "SILENT-2", "TRACEBACK", "HANG", "DISK", "WRONG", "SWEEP")]
     print(json.dumps({"cases": len(rows), "counts": {f"{k}:{o}": n for (k, o), n in sorted(counts.items())},
-                      "failures": len(bad)}))
+                      "by_class": dict(sorted(by_class.items())), "failures": len(bad)}))
 
 
 def markdown(path: Path) -> None:
-    lines = ["| # | via | input | outcome | message / result |", "|---|---|---|---|---|"]
-    lines += [f"| {i} | {k} | {n} | {o} | {d.replace('|', '/')} |" for i, (k, n, o, d) in enumerate(rows, 1)]
+    lines = ["| # | class | via | input | outcome | message / result |", "|---|---|---|---|---|---|"]
+    lines += [f"| {i} | {c} | {k} | {n} | {o} | {d.replace('|', '/')} |"
+              for i, (c, (k, n, o, d)) in enumerate(zip(classes, rows, strict=True), 1)]
     path.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
     setup()
+    only_new = "--only" in sys.argv and sys.argv[sys.argv.index("--only") + 1] == "new"
     try:
-        cli_cases()
-        eval_cases()
-        train_cases()
-        usage_cases()
-        report_cases()
-        api_cases()
+        if not only_new:
+            cli_cases()
+            eval_cases()
+            train_cases()
+            usage_cases()
+            report_cases()
+            api_cases()
+        axis_cases()
     finally:
         report()
         if "--md" in sys.argv:

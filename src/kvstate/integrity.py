@@ -11,8 +11,12 @@ the manifest, raising :class:`~kvstate.errors.IntegrityError` naming the file th
 Files added later (a model card, evaluation results) are not covered. ``kvstate-manifest/1`` (a model
 directory's checksums only) is still read, as kind ``"model"``. :func:`check_safetensors_header` is the
 cheap check for any ``.safetensors`` file: the 8-byte header length, a JSON header, and tensor offsets
-that stay inside the file (a truncated copy fails it). Ignored: authenticity (a checksum detects
-accidents, not tampering).
+that stay inside the file (a truncated copy fails it). :func:`artifact_kind` tells what a directory
+holds without verifying it (its manifest's kind, or the files a model / router / codec is made of) and
+:func:`accepts_kind` turns that into the ``accept`` predicate of
+:func:`kvstate.io_safety.check_output_dir`: a directory holding another kind is never written into;
+:func:`is_trusted_file` says whether a file is one a manifest covers (never an output).
+Ignored: authenticity (a checksum detects accidents, not tampering).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +167,48 @@ def check_safetensors_header(path: str | Path) -> int:
         if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data):
             raise IntegrityError(f"{where}: tensor {name!r} lies outside the file (truncated); {fix}")
     return len(tensors)
+
+
+# the files that make a directory one kind of artifact when it has no (readable) manifest
+KIND_FILES = {"model": ("config.json", "model.safetensors"), "router": ("router.safetensors",),
+              "codec": ("codec.safetensors",)}
+
+
+def artifact_kind(directory: str | Path) -> str | None:
+    """What ``directory`` holds: its manifest's ``kind``, else ``"model"`` / ``"router"`` / ``"codec"`` when
+    the files of one are there, else ``"other"`` for a non-empty directory and ``None`` for an empty or
+    missing one. Reads no checksums (a cheap look before any work)."""
+    d = Path(directory)
+    if not d.is_dir() or not any(d.iterdir()):
+        return None
+    try:
+        kind = json.loads((d / MANIFEST).read_text(encoding="utf-8")).get("kind")
+        if isinstance(kind, str):
+            return kind
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        pass
+    if (d / "model.safetensors.index.json").is_file():
+        return "model"
+    for kind, names in KIND_FILES.items():
+        if all((d / n).is_file() for n in names):
+            return kind
+    return "other"
+
+
+def accepts_kind(kind: str) -> Callable[[Path], bool]:
+    """The ``accept`` predicate of :func:`kvstate.io_safety.check_output_dir` for an output of ``kind``: an
+    empty directory or one holding that kind (a directory of any other kind is never written into)."""
+    return lambda p: artifact_kind(p) in (None, kind)
+
+
+def is_trusted_file(path: str | Path) -> bool:
+    """True when ``path`` is listed in the manifest of its directory (a file no command may replace)."""
+    p = Path(path)
+    try:
+        files = json.loads((p.parent / MANIFEST).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        return p.name == MANIFEST and p.is_file()
+    return p.name == MANIFEST or (isinstance(files, dict) and p.name in files)
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ Written files get the permissions of an ordinary ``open`` (``0666 & ~umask``, no
 ``mkstemp``'s 0600. Ignored: concurrent writers to the same destination (the last one wins), and the
 short moment of a directory replacement in which the old directory is renamed aside and the new one
 not yet in place.
+:func:`check_not_input` refuses an output that is one of the command's inputs, lies inside one, or would
+replace a directory holding one.
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def check_output_dir(path: str | Path, *, overwrite: bool = False, option: str =
         raise OutputError(f"{option} {str(p)!r} cannot be written ({exc.strerror or exc} in {str(base)!r}); "
                           "pass a writable location") from None
     return p
+
+
+def check_not_input(out: str | Path, inputs: dict[str, str | Path | None], option: str = "--out") -> Path:
+    """Raise :class:`OutputError` when ``out`` is an input (``{"--model": path, ...}``), lies inside one, or
+    holds one (replacing ``out`` would delete it); changes nothing on disk."""
+    o = Path(out).resolve()
+    for name, value in inputs.items():
+        if value is None:
+            continue
+        i = Path(value).resolve()
+        if o == i:
+            where = "is"
+        elif i in o.parents:
+            where = "lies inside"
+        elif o in i.parents:
+            where = "holds"
+        else:
+            continue
+        raise OutputError(f"{option} {str(out)!r} {where} the input {name} {str(value)!r}; an output never replaces "
+                          f"or writes into an input — pass a new {option} path")
+    return Path(out)
 
 
 def replace_dir(built: Path, dest: Path) -> None:

@@ -2,8 +2,9 @@
 
 Validate-at-construction (the "parse, don't validate" habit): a config or component checks every
 number once when it is built, so a NaN budget or a ``True`` slot count fails there with a message
-naming the argument, instead of at first use or never. Plain functions, no torch; the error class is
-the caller's (``ValueError`` in pure modules, a :class:`kvstate.errors.KVStateError` elsewhere).
+naming the argument, instead of at first use or never. Plain functions, no torch import (token-id
+tensors are checked through their ``shape`` / ``dtype`` / ``min`` / ``max``); the error class is the
+caller's (``ValueError`` in pure modules, a :class:`kvstate.errors.KVStateError` elsewhere).
 """
 
 from __future__ import annotations
@@ -40,6 +41,59 @@ def check_float(name: str, value: object, lo: float | None = None, hi: float | N
     if bad:
         raise error(f"{name}: must be a finite number{_frange(lo, hi, lo_open, hi_open)}, got {value!r}{hint}")
     return v
+
+
+def check_bool(name: str, value: object, *, error: type[ValueError] = ValueError) -> bool:
+    """``value`` as a bool; ints, strings and None are refused (``"no"`` is truthy)."""
+    if not isinstance(value, bool):
+        raise error(f"{name}: must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
+_INT_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int, *, max_len: int | None = None, batch: int | None = 1,
+                    error: type[ValueError] = ValueError) -> tuple[int, int]:
+    """A token-id tensor ``(batch, T)``: integer dtype, rank 2, ``batch`` rows (None: any), ``1 <= T <=
+    max_len``, every id in ``[0, vocab_size)``; returns its shape. Works on torch tensors without importing
+    torch."""
+    shape, dtype = getattr(ids, "shape", None), str(getattr(ids, "dtype", "")).removeprefix("torch.")
+    if shape is None or not hasattr(ids, "min"):
+        raise error(f"{name}: must be a tensor of token ids of shape ({batch or 'B'}, T), got {type(ids).__name__}")
+    if dtype not in _INT_DTYPES:
+        raise error(f"{name}: token ids must have an integer dtype (torch.long), got {dtype or type(ids).__name__}")
+    if len(shape) != 2:
+        raise error(f"{name}: token ids must have shape ({batch or 'B'}, T), got rank {len(shape)} {tuple(shape)}")
+    if batch is not None and int(shape[0]) != batch:
+        raise error(f"{name}: batch size {int(shape[0])}; this API takes a batch of {batch} (shape ({batch}, T)) — "
+                    "run one sequence at a time")
+    t = int(shape[1])
+    if t < 1 or (max_len is not None and t > max_len):
+        raise error(f"{name}: {t} tokens; pass 1..{max_len if max_len is not None else 'T'} tokens"
+                    f"{' (the model positions)' if max_len is not None else ''}")
+    lo, hi = int(ids.min()), int(ids.max())  # type: ignore[attr-defined]
+    if lo < 0 or hi >= vocab_size:
+        raise error(f"{name}: token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size}); tokenize "
+                    "with the model's own tokenizer")
+    return int(shape[0]), t
+
+
+def check_id_list(name: str, ids: object, vocab_size: int, *, max_len: int | None = None,
+                  error: type[ValueError] = ValueError) -> list[int]:
+    """A list of token ids: 1..``max_len`` ints (not bools, not floats) in ``[0, vocab_size)``."""
+    if not isinstance(ids, (list, tuple)):
+        raise error(f"{name}: must be a list of token ids, got {type(ids).__name__}")
+    if not ids or (max_len is not None and len(ids) > max_len):
+        raise error(f"{name}: {len(ids)} token ids; pass 1..{max_len if max_len is not None else 'n'} "
+                    f"{'(the model positions)' if max_len is not None else ''}")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise error(f"{name}: token id {i!r} is not an int; pass integer token ids")
+        if not 0 <= int(i) < vocab_size:
+            raise error(f"{name}: token id {int(i)} is outside the vocabulary [0, {vocab_size}); tokenize with the "
+                        "model's own tokenizer")
+    return [int(i) for i in ids]
 
 
 def _range(lo: int | None, hi: int | None) -> str:

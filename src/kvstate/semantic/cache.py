@@ -13,7 +13,9 @@ leave the recent window. Attention over a compressed layer needs the ``"sekv"`` 
         model.generate(full_ids, cache=cache, max_new_tokens=16)
 
 Works on every family whose attention layers are plain ``DynamicLayer`` (Llama, Qwen3, and the attention
-layers of hybrids such as Qwen3.5; recurrent layers keep their own state). Batch size 1 only.
+layers of hybrids such as Qwen3.5; recurrent layers keep their own state). Batch size 1 only: the
+boundary checks it (:func:`prefill_and_compress` refuses another batch, float or out-of-vocabulary ids,
+and a context longer than the model's positions), and a cache refuses a router made for another model.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvstate.semantic.attention import SEKV
 from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, span_weights
 from kvstate.semantic.store import SpanStore, Zoom
+from kvstate.validate import check_bool, check_float, check_int, check_token_ids
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,18 @@ class SemanticConfig:
     sticky: bool = True  # keep a span expanded for the rest of the request once zoomed into
 
     def __post_init__(self) -> None:
-        if not isinstance(self.budget, (int, float)) or not 0.0 < self.budget <= 1.0:
-            raise KVStateError(f"SemanticConfig.budget={self.budget!r} must be in (0, 1] (fast-tier bytes / full KV bytes)")
+        check_float("SemanticConfig.budget", self.budget, 0.0, 1.0, lo_open=True, error=KVStateError,
+                    hint=" (fast-tier bytes / full KV bytes)")
+        if not isinstance(self.segment, SegmentConfig):
+            raise KVStateError(f"SemanticConfig.segment={self.segment!r} must be a SegmentConfig")
+        check_bool("SemanticConfig.slow_tier", self.slow_tier, error=KVStateError)
+        check_bool("SemanticConfig.sticky", self.sticky, error=KVStateError)
         if self.zoom not in ("learned", "all", "none", "soft"):
             raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be 'learned', 'all', 'none' or 'soft' (training)")
         if not self.slow_tier and self.zoom != "none":
             raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 1):
-            raise KVStateError(f"SemanticConfig.rank={self.rank!r} must be an int >= 1 or None (predicted)")
+        if self.rank is not None:
+            check_int("SemanticConfig.rank", self.rank, 1, 1 << 16, error=KVStateError, hint=" or None (predicted)")
 
 
 class SemanticLayer(DynamicLayer):
@@ -116,8 +123,14 @@ def attention_layers(config: Any) -> list[int]:
 class SemanticCache(Cache):
     def __init__(self, model: Any, router: SemanticRouter | None = None, config: SemanticConfig | None = None) -> None:
         self.model_config = model.config
-        self.config = config or SemanticConfig()
+        self.config = config if config is not None else SemanticConfig()
+        if not isinstance(self.config, SemanticConfig):
+            raise KVStateError(f"SemanticCache: config must be a SemanticConfig, got {type(config).__name__}")
         attn = attention_layers(model.config)
+        if router is not None and not isinstance(router, SemanticRouter):
+            raise KVStateError(f"SemanticCache: router must be a SemanticRouter, got {type(router).__name__}")
+        if router is not None:
+            router.check_model(model)  # shapes, and the fingerprint of a loaded router
         self.router = router if router is not None else SemanticRouter(RouterConfig.from_model_config(model.config))
         layers: list[Any] = list(DynamicCache(config=model.config).layers)
         for i in attn:
@@ -181,7 +194,21 @@ def surprisal(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()  # not inference_mode: recurrent layers update their state in place later
 def prefill_and_compress(model: Any, cache: SemanticCache, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill ``ids`` (1, T) at full resolution into ``cache``, compress it, return the logits (1, T, V)."""
+    """Prefill ``ids`` (1, T) at full resolution into ``cache``, compress it, return the logits (1, T, V).
+
+    Refused with :class:`KVStateError`: ids that are not an integer (1, T) tensor, ids outside the model's
+    vocabulary, more tokens than its ``max_position_embeddings``, a cache built for another model."""
+    from kvstate.models.families import text_config
+
+    if not isinstance(cache, SemanticCache):
+        raise KVStateError(f"prefill_and_compress: cache must be a SemanticCache, got {type(cache).__name__}")
+    if cache.model_config is not model.config:
+        raise KVStateError("prefill_and_compress: this SemanticCache was built for another model; build it with "
+                           "SemanticCache(model, ...) for the model you prefill")
+    tc = text_config(model.config)
+    limit = getattr(tc, "max_position_embeddings", None)
+    check_token_ids("prefill_and_compress ids", ids, int(tc.vocab_size),
+                    max_len=limit if isinstance(limit, int) else None, error=KVStateError)
     t = ids.shape[1]
     out = model(input_ids=ids, position_ids=torch.arange(t)[None], cache=cache, use_cache=True)
     cache.compress(surprisal(out.logits, ids))

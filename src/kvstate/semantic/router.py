@@ -7,11 +7,14 @@ span; a learned per-layer, per-head threshold decides which spans to expand. The
 frozen; only this module trains (``kvstate semantic train``). It saves as ``router.safetensors`` with a
 checksum manifest (:mod:`kvstate.integrity`, kind ``"router"``) carrying the base model's fingerprint
 (:func:`kvstate.models.model_fingerprint`) and the router's config; loading verifies the checksums and
-refuses a router trained for another model.
+refuses a router trained for another model, one whose tensors are missing, extra, mis-shaped, not
+float32 or not finite. A loaded router remembers its base model's fingerprint, so a
+:class:`~kvstate.semantic.cache.SemanticCache` refuses it on another model too (:meth:`SemanticRouter.check_model`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +23,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from kvstate.errors import KVStateError
-from kvstate.integrity import read_manifest, write_manifest
+from kvstate.errors import IntegrityError, KVStateError
+from kvstate.integrity import accepts_kind, check_safetensors_header, read_manifest, write_manifest
 from kvstate.io_safety import check_output_dir, staged_dir
 from kvstate.models.fingerprint import model_fingerprint
 from kvstate.semantic.lowrank import RankGate
+from kvstate.validate import check_int
 
 WEIGHTS, MANIFEST = "router.safetensors", "manifest.json"
 RETRAIN = "train the router again with `kvstate semantic train --model DIR --out DIR`"
@@ -44,13 +48,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_heads", "n_kv_heads", "head_dim"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"RouterConfig.{name}={v!r} must be an int >= 1")
+            check_int(f"RouterConfig.{name}", getattr(self, name), 1, 1 << 20)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"RouterConfig: n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if not isinstance(self.routing_dim, int) or not 1 <= self.routing_dim <= 1024:
-            raise ValueError(f"RouterConfig.routing_dim={self.routing_dim!r} must be an int in [1, 1024]")
+        check_int("RouterConfig.routing_dim", self.routing_dim, 1, 1024)
 
     @classmethod
     def from_model_config(cls, config: Any, routing_dim: int = 16) -> RouterConfig:
@@ -60,8 +61,8 @@ class RouterConfig:
 
 
 def is_router_dir(path: Path) -> bool:
-    """An empty directory, or one holding a saved router (``router.safetensors`` and ``manifest.json``)."""
-    return path.is_dir() and (not any(path.iterdir()) or ((path / WEIGHTS).is_file() and (path / MANIFEST).is_file()))
+    """An empty directory, or one holding a saved router (``router.safetensors`` and a router ``manifest.json``)."""
+    return path.is_dir() and accepts_kind("router")(path)
 
 
 class SemanticRouter(nn.Module):
@@ -78,6 +79,24 @@ class SemanticRouter(nn.Module):
         self.beta = nn.Parameter(torch.full((c.n_layers,), -2.0))
         self.theta = nn.Parameter(torch.zeros(c.n_layers, c.n_heads))  # threshold = sigmoid(theta) per layer, head
         self.rank_gate = RankGate()
+        self.fingerprint: str | None = None  # the base model's, when loaded from a saved router
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()  # models already found to match the fingerprint
+
+    def check_model(self, model: Any) -> None:
+        """Raise :class:`RouterMismatchError` unless this router fits ``model``: the shapes of its config, and
+        (a loaded router) the fingerprint it was trained for — computed once per model object."""
+        mine = RouterConfig.from_model_config(model.config, self.config.routing_dim)
+        if mine != self.config:
+            raise RouterMismatchError(f"this router has shape {self.config}, the model needs {mine}; train a router "
+                                      "for this model with `kvstate semantic train`")
+        if self.fingerprint is None or model in self._checked:
+            return
+        fp = model_fingerprint(model)
+        if fp != self.fingerprint:
+            raise RouterMismatchError(f"this router was trained for a model with fingerprint {self.fingerprint[:16]}…, "
+                                      f"but this model's is {fp[:16]}…; train a router for this model with "
+                                      "`kvstate semantic train`")
+        self._checked.add(model)
 
     def route_keys(self, layer: int, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Span routing summary: normalised weighted mean of projected keys.
@@ -120,6 +139,9 @@ class SemanticRouter(nn.Module):
         refused with :class:`~kvstate.errors.OutputError`."""
         out = check_output_dir(out_dir, overwrite=True, accept=is_router_dir, option="router directory",
                                kind=f"a SEKV router directory ({WEIGHTS} + {MANIFEST})")
+        if any(not torch.isfinite(p).all() for p in self.parameters()):
+            raise KVStateError("SemanticRouter.save: a parameter holds NaN or inf; the router is not saved — lower the "
+                               "learning rate and train again")
         tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         meta = {"config": asdict(self.config), "fingerprint": fingerprint, **(extra or {})}
         with staged_dir(out, keep=True) as tmp:
@@ -140,14 +162,29 @@ class SemanticRouter(nn.Module):
             raise RouterMismatchError(f"router in {str(p)!r} was trained for a model with fingerprint "
                                       f"{str(manifest.get('fingerprint'))[:16]}…, but this model's is {want[:16]}…; "
                                       "train a router for this model with `kvstate semantic train`")
+        check_safetensors_header(p / WEIGHTS)
         try:
             router = cls(RouterConfig(**manifest["config"]))
-            router.load_state_dict(load_file(p / WEIGHTS))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            tensors = load_file(p / WEIGHTS)
+        except (KeyError, TypeError, ValueError) as exc:
             raise RouterMismatchError(f"router in {str(p)!r}: its {MANIFEST} config does not fit its weights "
                                       f"({' '.join(str(exc).split())[:200]}); {RETRAIN}") from None
+        except Exception as exc:  # safetensors' own error types: a file the checksum passed but that does not parse
+            raise IntegrityError(f"{str(p / WEIGHTS)!r} is not readable safetensors ({exc}); {RETRAIN}") from None
+        want_shapes = {k: (tuple(v.shape), v.dtype) for k, v in router.state_dict().items()}
+        got_shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+        if want_shapes != got_shapes:
+            diff = sorted(k for k in want_shapes.keys() | got_shapes.keys() if want_shapes.get(k) != got_shapes.get(k))
+            shown = ", ".join(f"{k}: {got_shapes.get(k, 'missing')} (want {want_shapes.get(k, 'none')})" for k in diff[:3])
+            raise RouterMismatchError(f"router in {str(p)!r}: {WEIGHTS} does not fit its {MANIFEST} config ({shown}); "
+                                      f"{RETRAIN}")
+        bad = [k for k, v in tensors.items() if not bool(torch.isfinite(v).all())]
+        if bad:
+            raise IntegrityError(f"router in {str(p)!r}: tensor {bad[0]!r} holds NaN or inf; {RETRAIN}")
+        router.load_state_dict(tensors)
+        router.fingerprint = manifest.get("fingerprint") if isinstance(manifest.get("fingerprint"), str) else None
         if model is not None:
-            mine = RouterConfig.from_model_config(model.config, router.config.routing_dim)
-            if mine != router.config:
-                raise RouterMismatchError(f"router in {str(p)!r} has shape {router.config}, the model needs {mine}")
+            if want is not None:
+                router._checked.add(model)  # its fingerprint was compared above
+            router.check_model(model)
         return router.eval()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from kvstate.validate import check_float, check_int
+
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
@@ -38,23 +40,19 @@ class SegmentConfig:
 
     def __post_init__(self) -> None:
         for name in ("sinks", "recent"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 4096:
-                raise ValueError(f"SegmentConfig.{name}={v!r} must be an int in [0, 4096]")
-        if not isinstance(self.min_span, int) or not 1 <= self.min_span <= 1024:
-            raise ValueError(f"SegmentConfig.min_span={self.min_span!r} must be an int in [1, 1024]")
+            check_int(f"SegmentConfig.{name}", getattr(self, name), 0, 4096)
+        check_int("SegmentConfig.min_span", self.min_span, 1, 1024)
         # max_span >= 2 * min_span - 1: then every run of at least min_span tokens splits evenly into spans of
         # min_span..max_span tokens (a run of 3 with min = max = 2 could not)
         lo = 2 * self.min_span - 1
-        if not isinstance(self.max_span, int) or not lo <= self.max_span <= 4096:
-            raise ValueError(f"SegmentConfig.max_span={self.max_span!r} must be an int in [2 * min_span - 1 = {lo}, 4096] "
-                             "so that every run splits into spans within [min_span, max_span]")
+        check_int("SegmentConfig.max_span", self.max_span, lo, 4096,
+                  hint=" (>= 2 * min_span - 1, so that every run splits into spans within [min_span, max_span])")
         if self.anchor_fraction is not None and self.threshold is not None:
             raise ValueError("SegmentConfig: give anchor_fraction or threshold, not both")
-        if self.anchor_fraction is not None and not 0.0 <= self.anchor_fraction <= 1.0:
-            raise ValueError(f"SegmentConfig.anchor_fraction={self.anchor_fraction!r} must be in [0, 1]")
-        if self.threshold is not None and not (np.isfinite(self.threshold) and self.threshold >= 0.0):
-            raise ValueError(f"SegmentConfig.threshold={self.threshold!r} must be a finite surprisal >= 0 (nats)")
+        if self.anchor_fraction is not None:
+            check_float("SegmentConfig.anchor_fraction", self.anchor_fraction, 0.0, 1.0)
+        if self.threshold is not None:
+            check_float("SegmentConfig.threshold", self.threshold, 0.0, hint=" (a surprisal in nats)")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from kvstate.models.fingerprint import model_fingerprint
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
 from kvstate.transfer.lowrank import fit_low_rank, fit_pca, relative_error, select_patch_layers
 from kvstate.transfer.states import build_cache, continue_logits, geometry, prefill_states
+from kvstate.validate import check_float, check_int, check_token_ids
 
 CALIBRATION_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "qa", "vt", "text")
 
@@ -51,14 +52,21 @@ class CalibrationConfig:
     reuse_map: str = "regress"
 
     def __post_init__(self) -> None:
-        if self.prefixes < 4:
-            raise CodecError(f"CalibrationConfig.prefixes={self.prefixes} must be >= 4 (a quarter is held out)")
-        if self.patch is not None and self.patch < 0:
-            raise CodecError(f"CalibrationConfig.patch={self.patch} must be >= 0 or None (auto)")
-        if not 2 <= self.suffix < self.length:
-            raise CodecError(f"CalibrationConfig: need 2 <= suffix ({self.suffix}) < length ({self.length})")
-        if self.aligner_hidden < 1 or self.aligner_steps < 0 or not self.aligner_lr > 0:
-            raise CodecError("CalibrationConfig: aligner_hidden >= 1, aligner_steps >= 0, aligner_lr > 0")
+        def i(name: str, lo: int, hi: int, hint: str = "") -> None:
+            check_int(f"CalibrationConfig.{name}", getattr(self, name), lo, hi, error=CodecError, hint=hint)
+
+        i("prefixes", 4, 100_000, " (a quarter is held out)")
+        if self.patch is not None:
+            i("patch", 0, 1 << 16, " or None (auto)")
+        i("length", 3, 1 << 20)
+        i("suffix", 2, self.length - 1, f" (below length={self.length})")
+        i("seed", 0, 2**31 - 1)
+        i("aligner_hidden", 1, 1 << 16)
+        i("aligner_steps", 0, 1 << 20)
+        check_float("CalibrationConfig.aligner_lr", self.aligner_lr, 0.0, lo_open=True, error=CodecError)
+        check_float("CalibrationConfig.ridge", self.ridge, 0.0, error=CodecError)
+        if not isinstance(self.tasks, tuple) or not self.tasks or len(set(self.tasks)) != len(self.tasks):
+            raise CodecError(f"CalibrationConfig.tasks={self.tasks!r} must be a non-empty tuple without repeats")
         if self.reuse_map not in ("regress", "pca"):
             raise CodecError(f"CalibrationConfig.reuse_map={self.reuse_map!r} must be 'regress' or 'pca'")
         CodecConfig(self.rank_k, self.rank_v, self.rank_h, (), self.bits)
@@ -113,6 +121,13 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
                  progress: Callable[[str], None] | None = None) -> Codec:
     """Fit a codec on ``prompts`` (each (1, T)); the last quarter is held out for the measurements."""
     g = geometry(producer)
+    if not prompts:
+        raise CodecError("calibrate_on: no prompts; pass at least 4 calibration prefixes")
+    for ids in prompts:
+        for model in (producer, consumer):
+            limit = getattr(model.config, "max_position_embeddings", None)
+            check_token_ids("calibration prompt", ids, int(model.config.vocab_size),
+                            max_len=limit if isinstance(limit, int) else None, error=CodecError)
     if geometry(consumer) != g:
         raise CodecError(f"producer {geometry(producer)} and consumer {geometry(consumer)} differ in shape; "
                          "SCD pairs must share the architecture")

@@ -15,8 +15,11 @@ A codec holds REUSE maps and aligners for every layer, so the producer may patch
 default. Saved as ``codec.safetensors`` + a checksum ``manifest.json`` (:mod:`kvstate.integrity`, kind
 ``"codec"``, carrying both models' fingerprints, the ranks and the geometry); loading verifies the
 checksums. The codec's identity (``pair``, which every payload carries) hashes that manifest's content:
-the fingerprints, config, geometry and the SHA-256 of the weights file. Ignored: per-request rank
-adaptation.
+the fingerprints, config, geometry and the SHA-256 of the weights file. Every tensor is checked against
+the config and geometry when a codec is built or loaded (names, shapes, float32, finite:
+:func:`check_tensors`), token ids against the model at :meth:`Codec.encode`, and decoded K/V are checked
+finite (and within the fp16 range no model's K/V leaves) before they reach the consumer. Ignored:
+per-request rank adaptation.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save
 
-from kvstate.errors import KVStateError
-from kvstate.integrity import read_manifest, write_manifest
+from kvstate.errors import IntegrityError, KVStateError
+from kvstate.integrity import accepts_kind, check_safetensors_header, read_manifest, write_manifest
 from kvstate.io_safety import check_output_dir, staged_dir
 from kvstate.models.fingerprint import model_fingerprint
 from kvstate.transfer.payload import Payload, PayloadError, ids_hash
@@ -44,11 +47,13 @@ from kvstate.transfer.states import (
     geometry,
     project_kv,
 )
+from kvstate.validate import check_int, check_token_ids
 
 CODEC_VERSION = 2  # 2: the kvstate manifest schema with checksums; the pair hashes the manifest's content
 MANIFEST, WEIGHTS = "manifest.json", "codec.safetensors"
 RECALIBRATE = "recalibrate with `kvstate transfer calibrate`"
 REUSE, PATCH = "R", "P"
+KV_LIMIT = 65504.0  # the fp16 maximum: decoded keys / values beyond it come from a damaged payload or codec
 
 
 class CodecError(KVStateError):
@@ -67,10 +72,11 @@ class CodecConfig:
 
     def __post_init__(self) -> None:
         for name in ("rank_k", "rank_v", "rank_h"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise CodecError(f"CodecConfig.{name}={getattr(self, name)!r} must be an int >= 1")
-        if self.bits not in (4, 8, 16, 32):
-            raise CodecError(f"CodecConfig.bits={self.bits} must be 4, 8, 16 or 32")
+            check_int(f"CodecConfig.{name}", getattr(self, name), 1, 1 << 20, error=CodecError)
+        if isinstance(self.bits, bool) or self.bits not in (4, 8, 16, 32):
+            raise CodecError(f"CodecConfig.bits={self.bits!r} must be 4, 8, 16 or 32")
+        for i in self.patch_layers:
+            check_int("CodecConfig.patch_layers[]", i, 0, 1 << 16, error=CodecError)
         if list(self.patch_layers) != sorted(set(self.patch_layers)):
             raise CodecError(f"CodecConfig.patch_layers={self.patch_layers} must be ascending without repeats")
 
@@ -84,6 +90,41 @@ class CodecConfig:
         bad = [i for i in self.patch_layers if not 0 <= i < g.n_layers]
         if bad:
             raise CodecError(f"patch layers {bad} out of range: the model has layers 0..{g.n_layers - 1}")
+
+
+def expected_shapes(cfg: CodecConfig, g: Geometry, aligner_hidden: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor a codec holds and its shape (REUSE maps and PATCH aligners for every layer)."""
+    h, d, hid = g.n_kv_heads, g.head_dim, g.hidden_size
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(g.n_layers):
+        for name, r in (("k", cfg.rank_k), ("v", cfg.rank_v)):
+            out.update({f"{name}.{i}.enc": (h, d, r), f"{name}.{i}.dec": (h, r, d), f"{name}.{i}.mu_in": (h, d),
+                        f"{name}.{i}.mu_out": (h, d)})
+        a = aligner_hidden
+        out.update({f"h.{i}.enc": (hid, cfg.rank_h), f"h.{i}.dec": (cfg.rank_h, hid), f"h.{i}.mu_in": (hid,),
+                    f"h.{i}.mu_out": (hid,), f"h.{i}.z_std": (cfg.rank_h,), f"h.{i}.w1": (a, cfg.rank_h),
+                    f"h.{i}.b1": (a,), f"h.{i}.w2": (hid, a), f"h.{i}.b2": (hid,), f"h.{i}.val_mse": (2,)})
+    return out
+
+
+def check_tensors(tensors: dict[str, torch.Tensor], cfg: CodecConfig, g: Geometry, where: str = "codec") -> None:
+    """Raise :class:`CodecError` unless ``tensors`` are exactly the codec's: every name, its shape, float32,
+    finite (one clear error instead of a failure per request later)."""
+    w1 = tensors.get("h.0.w1")
+    want = expected_shapes(cfg, g, int(w1.shape[0]) if isinstance(w1, torch.Tensor) and w1.dim() == 2 else 0)
+    missing, extra = sorted(want.keys() - tensors.keys()), sorted(tensors.keys() - want.keys())
+    if missing or extra:
+        what = (f"lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else
+                f"holds unexpected {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
+        raise CodecError(f"{where} {what} (a codec for {g.n_layers} layers with ranks {cfg.rank_k}/{cfg.rank_v}/"
+                         f"{cfg.rank_h}); {RECALIBRATE}")
+    for name, shape in want.items():
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise CodecError(f"{where}: tensor {name!r} is {got}, expected {shape} torch.float32; {RECALIBRATE}")
+        if not bool(torch.isfinite(t).all()):
+            raise CodecError(f"{where}: tensor {name!r} holds NaN or inf; {RECALIBRATE}")
 
 
 def _aligner(t: dict[str, torch.Tensor], layer: int, z: torch.Tensor) -> torch.Tensor:
@@ -106,6 +147,7 @@ class Codec:
 
     def __post_init__(self) -> None:
         self.config.check(self.geometry)
+        check_tensors(self.tensors, self.config, self.geometry)
         self._weights = save({k: v.detach().contiguous() for k, v in self.tensors.items()})  # codec.safetensors
         identity = json.dumps(self._identity(), sort_keys=True).encode()
         self.pair = hashlib.sha256(identity).digest()  # what a payload must carry to be decoded by this codec
@@ -148,6 +190,9 @@ class Codec:
         PATCH layers; ``bits``: the code precision)."""
         if check:
             self.check_models(producer=producer)
+        limit = getattr(producer.config, "max_position_embeddings", None)
+        check_token_ids("Codec.encode input_ids", input_ids, int(producer.config.vocab_size),
+                        max_len=limit if isinstance(limit, int) else None, error=CodecError)
         modes, bits = self.modes(patch), self.config.bits if bits is None else bits
         t = input_ids.shape[1]
         with capture_inputs(producer, "attn") as got:
@@ -179,7 +224,13 @@ class Codec:
         """Per-layer consumer keys (pre-rotary) and values (T, H_kv, D) decoded from ``payload``."""
         if check:
             self.check_models(consumer=consumer)
+        if not isinstance(payload, Payload):
+            raise PayloadError(f"decode: expected a Payload, got {type(payload).__name__}")
         payload.check(self.pair, token_ids)
+        limit = getattr(consumer.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and payload.n_tokens > limit:
+            raise PayloadError(f"payload of {payload.n_tokens:,} tokens exceeds the consumer's "
+                               f"max_position_embeddings={limit:,}")
         g, t, w = self.geometry, payload.n_tokens, self.tensors
         modes, bits = payload.meta.get("modes", ""), payload.meta.get("bits", "")
         if payload.meta.get("method") != "scd" or len(modes) != g.n_layers or set(modes) - {REUSE, PATCH} \
@@ -197,6 +248,13 @@ class Codec:
                     z = self._codes(payload, f"{name}.{i}", t, g.n_kv_heads * r, b).view(t, g.n_kv_heads, r)
                     kv.append(torch.einsum("thr,hrd->thd", z, w[f"{name}.{i}.dec"]) + w[f"{name}.{i}.mu_out"])
                 k, v = kv
+            dtype = next(consumer.parameters()).dtype
+            for name, x in (("keys", k), ("values", v)):
+                y = x.to(dtype)  # what the consumer will hold
+                if not bool(torch.isfinite(y).all()) or float(y.abs().max()) > KV_LIMIT:
+                    raise PayloadError(f"payload decodes to unusable {name} at layer {i} (non-finite or beyond "
+                                       f"±{KV_LIMIT:g}): its codes or scales are damaged; request the payload again, "
+                                       "or check the producer's codec")
             keys.append(k)
             values.append(v)
         return keys, values
@@ -269,10 +327,19 @@ class Codec:
                                  f"{CODEC_VERSION} — {RECALIBRATE}")
             cfg = CodecConfig(m["rank_k"], m["rank_v"], m["rank_h"], tuple(m["patch_layers"]), m["bits"])
             g = Geometry(**m["geometry"])
-            codec = cls(cfg, g, m["producer_fingerprint"], m["consumer_fingerprint"], load_file(d / WEIGHTS),
+            check_safetensors_header(d / WEIGHTS)
+            try:
+                tensors = load_file(d / WEIGHTS)
+            except Exception as exc:  # safetensors' own error types: a file the checksum passed but that does not parse
+                raise IntegrityError(f"{str(d / WEIGHTS)!r} is not readable safetensors ({exc}); {RECALIBRATE}") from None
+            check_tensors(tensors, cfg, g, f"codec {str(d)!r}")
+            codec = cls(cfg, g, m["producer_fingerprint"], m["consumer_fingerprint"], tensors,
                         m.get("calibration", {}))
         except (KeyError, TypeError) as exc:
             raise CodecError(f"codec manifest {str(d / MANIFEST)!r} is malformed ({exc!r}); {RECALIBRATE}") from None
+        if m.get("weights_sha256") != m["files"][WEIGHTS].get("sha256"):
+            raise CodecError(f"codec manifest {str(d / MANIFEST)!r} names weights {str(m.get('weights_sha256'))[:12]}… but "
+                             f"checksums another {WEIGHTS}; {RECALIBRATE}")
         if codec.pair.hex() != m.get("pair"):
             raise CodecError(f"codec manifest {str(d / MANIFEST)!r} does not describe {WEIGHTS} (its pair "
                              f"{str(m.get('pair'))[:12]}… is not the hash of its content, {codec.pair.hex()[:12]}…); "
@@ -281,5 +348,5 @@ class Codec:
 
 
 def is_codec_dir(path: Path) -> bool:
-    """An empty directory, or one holding a saved codec (``codec.safetensors`` and ``manifest.json``)."""
-    return path.is_dir() and (not any(path.iterdir()) or ((path / WEIGHTS).is_file() and (path / MANIFEST).is_file()))
+    """An empty directory, or one holding a saved codec (``codec.safetensors`` and a codec ``manifest.json``)."""
+    return path.is_dir() and accepts_kind("codec")(path)

@@ -6,9 +6,13 @@ Patching* (``docs/techniques.md#across-models``): a prefill producer encodes pro
 a 4-byte big-endian length, then the body. A request is one JSON frame
 (``{"op": "hello"}`` or ``{"op": "encode", "ids": [...]}``); a reply is a JSON frame
 (``{"ok": true, ...}`` / ``{"ok": false, "error": ...}``) followed, for ``encode``, by one payload frame.
-Requests are bounded (bytes, tokens), every read and write has a timeout, the model runs one request
-at a time in a worker thread, and a client that stalls or disconnects mid-frame only loses its own
-connection. Ignored: TLS, authentication, request multiplexing on one connection.
+Requests are bounded (bytes, JSON nesting, tokens: the smaller of ``ServerConfig.max_tokens`` and the
+service's own limit, the producer's positions), token ids are checked against the producer's vocabulary,
+every read and write has a timeout, the model runs one request at a time in a worker thread (so the
+token bound is also the bound on how long one request holds the model), and every bad request gets an
+error reply (``{"ok": false, "error": ...}``), never a dropped connection; a client that stalls or
+disconnects mid-frame only loses its own connection. Ignored: TLS, authentication, request multiplexing
+on one connection.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from kvstate.errors import KVStateError
 from kvstate.transfer.payload import Payload, ids_hash
 from kvstate.transfer.store import PayloadStore, store_key
+from kvstate.validate import check_float, check_id_list, check_int
 
 _LEN = struct.Struct(">I")
 
@@ -44,10 +49,12 @@ class ServerConfig:
     timeout_s: float = 30.0  # per frame read / write
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise TransportError(f"ServerConfig.port={self.port} must be in [0, 65535]")
-        if self.max_request_bytes < 64 or self.max_tokens < 1 or not self.timeout_s > 0:
-            raise TransportError("ServerConfig: max_request_bytes >= 64, max_tokens >= 1, timeout_s > 0")
+        if not isinstance(self.host, str) or not self.host:
+            raise TransportError(f"ServerConfig.host={self.host!r} must be a host name or address")
+        check_int("ServerConfig.port (--port)", self.port, 0, 65535, error=TransportError)
+        check_int("ServerConfig.max_request_bytes", self.max_request_bytes, 64, 1 << 30, error=TransportError)
+        check_int("ServerConfig.max_tokens", self.max_tokens, 1, 1 << 24, error=TransportError)
+        check_float("ServerConfig.timeout_s", self.timeout_s, 0.0, 86400.0, lo_open=True, error=TransportError)
 
 
 async def read_frame(reader: asyncio.StreamReader, limit: int, timeout: float) -> bytes:
@@ -64,11 +71,16 @@ async def write_frame(writer: asyncio.StreamWriter, body: bytes, timeout: float)
 
 
 class ProducerService:
-    """What the server runs: ``encode(ids) -> payload bytes`` through a store, one model call at a time."""
+    """What the server runs: ``encode(ids) -> payload bytes`` through a store, one model call at a time.
+
+    ``vocab_size`` / ``max_tokens``: the producer's vocabulary and positions; requests beyond them are
+    refused before they reach the model (None: no limit of the service's own)."""
 
     def __init__(self, encode: Callable[[list[int]], Payload], pair: bytes, store: PayloadStore,
-                 info: dict[str, Any] | None = None) -> None:
+                 info: dict[str, Any] | None = None, *, vocab_size: int | None = None,
+                 max_tokens: int | None = None) -> None:
         self._encode, self.pair, self.store, self.info = encode, pair, store, info or {}
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens
         self._lock = threading.Lock()
         self.served = 0  # requests answered with a payload
         self.hits = 0  # of which came from the store
@@ -85,6 +97,26 @@ class ProducerService:
         return data, False
 
 
+def parse_request(raw: bytes, service: ProducerService, cfg: ServerConfig) -> tuple[str, list[int]]:
+    """``("hello", [])`` or ``("encode", ids)`` from one request frame; :class:`ValueError` naming the problem."""
+    try:
+        req = json.loads(raw)
+    except RecursionError:
+        raise ValueError("request JSON is nested too deeply; send {'op': 'encode', 'ids': [...]}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"request is not JSON ({exc})") from None
+    if not isinstance(req, dict):
+        raise ValueError("request must be a JSON object")
+    if req.get("op") == "hello":
+        return "hello", []
+    if req.get("op") != "encode":
+        raise ValueError(f"unknown op {str(req.get('op'))[:40]!r}; need {{'op': 'encode', 'ids': [token ids]}} or "
+                         "{'op': 'hello'}")
+    limit = min(cfg.max_tokens, service.max_tokens or cfg.max_tokens)
+    ids = check_id_list("ids", req.get("ids"), service.vocab_size or 2**31, max_len=limit)
+    return "encode", ids
+
+
 async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.StreamReader,
                   writer: asyncio.StreamWriter) -> None:
     loop = asyncio.get_running_loop()
@@ -98,24 +130,23 @@ async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.S
                 await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
                 return
             try:
-                req = json.loads(raw)
-                if not isinstance(req, dict):
-                    raise ValueError("request must be a JSON object")
-                if req.get("op") == "hello":
+                op, ids = parse_request(raw, service, cfg)
+                if op == "hello":
                     reply = {"ok": True, "pair": service.pair.hex(), **service.info}
                     await write_frame(writer, json.dumps(reply).encode(), cfg.timeout_s)
                     continue
-                ids = req.get("ids") if req.get("op") == "encode" else None
-                if not isinstance(ids, list) or not 1 <= len(ids) <= cfg.max_tokens or not all(
-                        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids):
-                    raise ValueError(f"need {{'op': 'encode', 'ids': [1..{cfg.max_tokens} token ids]}} "
-                                     "or {'op': 'hello'}")
                 t0 = time.perf_counter()
                 data, hit = await loop.run_in_executor(None, service.payload_bytes, ids)
                 head = {"ok": True, "bytes": len(data), "cached": hit,
                         "encode_ms": round(1e3 * (time.perf_counter() - t0), 3)}
             except (ValueError, KVStateError) as exc:
                 await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
+                continue
+            except (ConnectionError, TimeoutError):
+                raise
+            except Exception as exc:  # a bug or a store failure: the client still gets a reply, the server lives on
+                error = f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                await write_frame(writer, json.dumps({"ok": False, "error": error}).encode(), cfg.timeout_s)
                 continue
             await write_frame(writer, json.dumps(head).encode(), cfg.timeout_s)
             await write_frame(writer, data, cfg.timeout_s)
@@ -225,8 +256,11 @@ def fetch_payload(server: str, ids: Sequence[int], pair: bytes | None = None, ti
 
     Returns the verified payload and the reply header plus ``"wire_ms"`` (request to last byte)."""
     host, port = parse_address(server)
+    ids = check_id_list("fetch_payload ids", list(ids) if isinstance(ids, (list, tuple, range)) else ids, 2**31,
+                        error=TransportError)
+    check_float("fetch_payload timeout", timeout, 0.0, 86400.0, lo_open=True, error=TransportError)
     t0 = time.perf_counter()
-    reqs: list[dict[str, Any]] = [{"op": "hello"}, {"op": "encode", "ids": [int(i) for i in ids]}]
+    reqs: list[dict[str, Any]] = [{"op": "hello"}, {"op": "encode", "ids": ids}]
     (hello, _), (head, body) = asyncio.run(_request(host, port, reqs, timeout, max_payload))
     wire_ms = 1e3 * (time.perf_counter() - t0)
     if pair is not None and hello.get("pair") != pair.hex():

@@ -69,7 +69,7 @@ def test_killed_and_malformed_clients_leave_the_server_serving(pair: tuple) -> N
             assert b"exceeds the limit" in s.recv(4096)
         with socket.create_connection(addr) as s:  # valid JSON, invalid ids
             s.sendall(_frame(json.dumps({"op": "encode", "ids": [-1, "x"]}).encode()))
-            assert b"token ids" in s.recv(4096)
+            assert b"outside the vocabulary" in s.recv(4096)
         with socket.create_connection(addr) as s:  # a stalled client is timed out, not waited for
             s.sendall(struct.pack(">I", 50))
             s.settimeout(10)
@@ -154,3 +154,41 @@ def test_memory_store_evicts_least_recently_used() -> None:
     assert s.get("a") == b"12345"
     s.put("c", b"123")
     assert (s.get("a"), s.get("b"), s.get("c")) == (b"12345", None, b"123")
+
+
+def _ask(sock: socket.socket, body: bytes) -> dict:
+    sock.sendall(_frame(body))
+    head = b""
+    while len(head) < 4:
+        head += sock.recv(4 - len(head))
+    (n,) = struct.unpack(">I", head)
+    data = b""
+    while len(data) < n:
+        data += sock.recv(n - len(data))
+    return json.loads(data)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (json.dumps({"op": "encode", "ids": [1, 2, 10**6]}).encode(), "outside the vocabulary"),
+    (json.dumps({"op": "encode", "ids": [1.0, 2.5]}).encode(), "not an int"),
+    (json.dumps({"op": "encode", "ids": [5] * 600}).encode(), "600 token ids"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (json.dumps({"op": "drop"}).encode(), "unknown op"),
+])
+def test_bad_requests_get_an_error_reply_and_the_connection_lives_on(pair: tuple, body: bytes, needle: str) -> None:
+    p, _, codec = pair
+    assert p.config.max_position_embeddings >= 600
+    service = producer_service(p, codec, MemoryStore())
+    service.max_tokens = 512  # the producer's positions, lowered so that the bound is cheap to reach
+    with ServerThread(service, ServerConfig(timeout_s=5)) as srv, \
+            socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        reply = _ask(s, body)
+        assert reply["ok"] is False and needle in reply["error"]
+        assert _ask(s, b'{"op": "hello"}')["ok"] is True  # not a dropped connection
+    assert service.served == 0
+
+
+def test_the_service_bounds_requests_by_the_producer(pair: tuple) -> None:
+    p, _, codec = pair
+    service = producer_service(p, codec, MemoryStore())
+    assert (service.vocab_size, service.max_tokens) == (p.config.vocab_size, p.config.max_position_embeddings)

@@ -41,11 +41,12 @@ def train_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.console import Console
 
-    from kvstate.lab.depth.train import DepthTrainConfig, depth_train
+    from kvstate.lab.depth.train import DepthTrainConfig, check_outputs, depth_train
     from kvstate.lab.training.cli import parse_overrides
 
     cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule)
     extra = parse_overrides(overrides or [])
+    check_outputs(model, out, cfg, resume=resume, overwrite=overwrite)  # before DDP starts: every refusal first
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         import torch.distributed as dist
@@ -67,6 +68,7 @@ def train_command(
                         f"routing {state['depth']['pattern'] or 'p=' + str(state['depth']['p'])}")
 
 
+PATTERN_KINDS = ("keep", "cla", "top_shared")  # kvstate.depth.patterns.for_keep's families
 # the source a depth evaluation depends on: a change here makes committed depth_eval.json files stale
 EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
              "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
@@ -88,14 +90,22 @@ def eval_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.table import Table
 
+    from kvstate.errors import KVStateError
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.depth.evaluate import SCORE_LENGTHS, SCORE_TASKS, evaluate_sharing
+    from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit
     from kvstate.lab.lists import parse_floats
     from kvstate.lab.provenance import Recorder
+    from kvstate.models.loading import load_config
 
     fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
+    if pattern_kind not in PATTERN_KINDS:
+        raise KVStateError(f"--pattern-kind {pattern_kind!r} is unknown; choose one of {', '.join(PATTERN_KINDS)}")
+    if not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task and length)")
     if out is not None:
         check_results_out(out, overwrite=overwrite)
+    check_lengths_fit(load_config(model), SCORE_LENGTHS)  # the config alone: before reading the weights
     rec = Recorder(code=EVAL_CODE, models=[model], n=n, seeds=[seed], tasks=SCORE_TASKS, lengths=SCORE_LENGTHS,
                    settings={"keep": fractions, "pattern_kind": pattern_kind})
     result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True)
@@ -116,11 +126,13 @@ def eval_command(
 @app.command("card")
 def card_command(
     model: Annotated[Path, typer.Option("--model", help="A kvstate depth train --out directory.")],
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace a README.md that this card command did not write.")] = False,
 ) -> None:
     """Write DIR/README.md from its training_state.json and depth_eval.json."""
     from kvstate.lab.depth.card import write_card
 
-    print(write_card(model))
+    print(write_card(model, overwrite=overwrite))
 
 
 @app.command("init-kv1")

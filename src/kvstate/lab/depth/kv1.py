@@ -76,15 +76,16 @@ def merge_kv_heads(model: Any, kv_heads: int = 1) -> Any:
 def init_kv1(model_dir: str | Path, out_dir: str | Path, *, kv_heads: int = 1, overwrite: bool = False) -> dict[str, Any]:
     """Write ``model_dir`` merged to ``kv_heads`` KV heads into ``out_dir``, ready for ``kvstate depth train``;
     returns the written training state."""
-    from kvstate.integrity import write_manifest
-    from kvstate.io_safety import check_output_dir, staged_dir
+    from kvstate.integrity import accepts_kind, write_manifest
+    from kvstate.io_safety import check_not_input, check_output_dir, staged_dir
     from kvstate.lab.depth.train import DEPTH_KEY
     from kvstate.lab.harness import load_reference
     from kvstate.lab.training.io import STATE_FILE, load_state
     from kvstate.lab.training.train import CONTEXT_KEY
 
     out = Path(out_dir)
-    check_output_dir(out, overwrite=overwrite)
+    check_not_input(out, {"--model": model_dir})
+    check_output_dir(out, overwrite=overwrite, accept=accepts_kind("model"), kind="a model directory")
     state = load_state(model_dir)  # refuses a directory that is not a training output
     model, tokenizer = load_reference(model_dir, torch.float32)
     before = int(model.config.num_key_value_heads)

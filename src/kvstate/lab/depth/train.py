@@ -11,6 +11,12 @@ from the run's first step, so runs with the same ``tokens`` see the same batches
 gains a ``depth`` entry (start model, routing, draw counts). A resumed part continues the routing draws
 (the loop saves the routing's state) and the schedule, and is refused when its routing settings differ
 from the recorded ones.
+
+The output rule (:mod:`kvstate.io_safety`): ``--out`` is never the start model (nor inside it, nor
+holding it), a directory holding anything but a model is never written into, an existing one is
+replaced only with ``overwrite``; ``resume`` continues only a depth run — one whose saved state has the
+``depth`` entry, or (after an interrupted first part) periodic saves with this command's fine-tune
+settings — at the recorded length. Rows are bounded by the model's ``max_position_embeddings``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from typing import Any
 
 from kvstate.depth.patterns import PatternError, SharingPattern, check_p, format_pattern, parse_pattern
 from kvstate.errors import KVStateError
+from kvstate.io_safety import write_bytes_atomic
+from kvstate.validate import check_float, check_int
 
 DEPTH_KEY = "depth"
 # what a depth run changes in the start model's TrainConfig: one length, constant lr, no curriculum moves
@@ -31,6 +39,9 @@ FINE_TUNE = {"lr": 3e-4, "decay_fraction": 0.0, "warmup_steps": 20, "warmup_per_
 RULES = ("paper", "owner")  # kvstate.depth.routing.RULES (not imported: that loads torch)
 # a recorded depth entry without a rule was drawn before the paper's rule existed: owner draws
 LEGACY_RULE = "owner"
+MAX_MINUTES = 7 * 24 * 60.0  # a week: a longer budget is a typo, not a plan
+MAX_TOKENS = 10**12
+RESULT_FILES = ("depth_eval.json",)  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
 
 
 @dataclass(frozen=True)
@@ -52,12 +63,16 @@ class DepthTrainConfig:
             raise PatternError(f"--rule {self.rule!r} is unknown; choose one of {', '.join(RULES)}")
         if self.minutes is None and self.tokens is None:
             raise KVStateError("depth train: pass --minutes M or --tokens N (the training budget)")
-        if self.minutes is not None and not self.minutes > 0:
-            raise KVStateError(f"--minutes {self.minutes} must be > 0")
-        if self.tokens is not None and self.tokens < 1:
-            raise KVStateError(f"--tokens {self.tokens} must be >= 1")
-        if self.length < 64 or self.length & (self.length - 1):
+        if self.minutes is not None:
+            check_float("--minutes", self.minutes, 0.0, MAX_MINUTES, lo_open=True, error=KVStateError)
+        if self.tokens is not None:
+            check_int("--tokens", self.tokens, 1, MAX_TOKENS, error=KVStateError)
+        check_int("--length", self.length, 64, 2**20, error=KVStateError, hint="; pass a power of two >= 64")
+        if self.length & (self.length - 1):
             raise KVStateError(f"--length {self.length} must be a power of two >= 64")
+        check_int("--seed", self.seed, 0, 2**31 - 1, error=KVStateError)
+        if self.pattern is not None and not isinstance(self.pattern, str):
+            raise PatternError(f"--pattern {self.pattern!r} must be a string such as 0_0_2_2")
 
 
 def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None) -> Any:
@@ -100,12 +115,51 @@ def check_resume(recorded: dict[str, Any], cfg: DepthTrainConfig, out: str | Pat
                            "or train into a new --out")
 
 
-def _resume_dir(out: Path) -> Path:
-    """The newest save of the run in ``out``: its periodic saves if a part was interrupted, else ``out``."""
-    from kvstate.lab.training.io import STATE_FILE, partial_dir
+def _resume_dir(out: Path, cfg: DepthTrainConfig) -> Path:
+    """The newest save of the depth run in ``out``: its periodic saves if a part was interrupted, else ``out``;
+    refused when there is none, or when ``out`` holds another kind of run or another length."""
+    from kvstate.lab.training.io import STATE_FILE, load_state, partial_dir
 
     partial = partial_dir(out)
-    return partial if (partial / STATE_FILE).is_file() else out  # train() removes it when a part completes
+    has_out, has_partial = (out / STATE_FILE).is_file(), (partial / STATE_FILE).is_file()
+    if not has_out and not has_partial:
+        raise KVStateError(f"depth train --resume: nothing to resume in {str(out)!r} (no {STATE_FILE} there nor in "
+                           f"{str(partial)!r}); start the run without --resume")
+    if has_out and DEPTH_KEY not in load_state(out):
+        raise KVStateError(f"depth train --resume: {str(out)!r} is not a depth run (its {STATE_FILE} has no "
+                           f"{DEPTH_KEY!r} entry: a kvstate train output or a reference model); --resume continues "
+                           "only a kvstate depth train --out directory — pass a new --out without --resume")
+    start = partial if has_partial else out  # train() removes the partial directory when a part completes
+    recorded = load_state(start)["config"]
+    signature = {k: FINE_TUNE[k] for k in ("decay_fraction", "stage_patience_min")}
+    if not has_out and any(recorded.get(k) != v for k, v in signature.items()):
+        raise KVStateError(f"depth train --resume: the periodic saves in {str(partial)!r} are not a depth run's "
+                           f"(settings {', '.join(f'{k}={recorded.get(k)!r}' for k in signature)}); resume them with "
+                           "kvstate train --resume, or start a new depth run")
+    if recorded.get("max_length") != cfg.length:
+        raise KVStateError(f"depth train --resume: {str(out)!r} trains at --length {recorded.get('max_length')}, "
+                           f"this command asks for {cfg.length}; a resumed run keeps its length — pass --length "
+                           f"{recorded.get('max_length')}")
+    return start
+
+
+def check_outputs(model_dir: Path, out: Path, cfg: DepthTrainConfig, *, resume: bool, overwrite: bool) -> Path:
+    """Every refusal a depth run can meet before any work: the output rule, the resume kind, the row length
+    against the start model's positions. Returns the directory training starts from."""
+    from kvstate.integrity import accepts_kind
+    from kvstate.io_safety import check_not_input, check_output_dir
+    from kvstate.models.families import text_config
+    from kvstate.models.loading import load_config
+
+    check_not_input(out, {"--model": model_dir})
+    check_output_dir(out, overwrite=overwrite or resume, accept=accepts_kind("model"),
+                     kind="a model directory (a depth run's output)")
+    start = _resume_dir(out, cfg) if resume else model_dir
+    limit = getattr(text_config(load_config(model_dir)), "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.length > limit:
+        raise KVStateError(f"--length {cfg.length:,} exceeds the max_position_embeddings={limit:,} of {str(model_dir)!r}; "
+                           f"pass --length <= {limit:,}")
+    return start
 
 
 def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfig, *, resume: bool = False,
@@ -123,7 +177,7 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
 
     out = Path(out_dir)
     pattern = parse_pattern(cfg.pattern) if cfg.pattern is not None else None
-    start = _resume_dir(out) if resume else Path(model_dir)
+    start = check_outputs(Path(model_dir), out, cfg, resume=resume, overwrite=overwrite)
     state = load_state(start)
     # the run's own history lives in out (a first part's periodic saves carry only the start model's state)
     prev = load_state(out).get(DEPTH_KEY) if resume and (out / STATE_FILE).is_file() else None
@@ -136,8 +190,12 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     steps = math.ceil(cfg.tokens / int(fields["tokens_per_step"])) if cfg.tokens is not None else None
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
     factory = _routing_factory(cfg, pattern)
+    # a resumed part replaces out whole: its evaluation results are carried over, never dropped
+    kept = {n: (out / n).read_bytes() for n in RESULT_FILES if resume and (out / n).is_file()}
     result = train(tcfg, out, resume=start, progress=progress, log=log, context=factory,
                    overwrite=overwrite or resume)
+    for name, data in kept.items():
+        write_bytes_atomic(out / name, data)
     routing = getattr(factory, "routing", None)
     counts = dict(routing.counts()) if routing is not None else {}
     if prev is not None:
@@ -168,4 +226,4 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
         refresh_manifest(out)
 
 
-__all__ = ["DEPTH_KEY", "DepthTrainConfig", "check_resume", "depth_train", "routing_settings"]
+__all__ = ["DEPTH_KEY", "DepthTrainConfig", "check_outputs", "check_resume", "depth_train", "routing_settings"]

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from kvstate.errors import KVStateError
+from kvstate.errors import KVStateError, OutputError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="SEKV: resolution-adaptive semantic KV cache (train the router, compare with kvpress).")
@@ -33,18 +33,22 @@ def train_command(
     """Train the routing projections, zoom thresholds and rank gates on a frozen model."""
     import sys
 
-    import torch
-
-    from kvstate.io_safety import check_output_dir
+    from kvstate.io_safety import check_not_input, check_output_dir
+    from kvstate.lab.cli_output import set_threads
     from kvstate.lab.harness import load_reference
     from kvstate.lab.lists import parse_ints
     from kvstate.lab.semantic.card import write_card
     from kvstate.lab.semantic.train import TrainConfig, train_router
+    from kvstate.models.loading import load_config
+    from kvstate.semantic.router import MANIFEST, WEIGHTS, is_router_dir
 
-    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(parse_ints(lengths, "--length")),
+    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(parse_ints(lengths, "--length", lo=64)),
                       max_steps=max_steps, seed=seed)
-    check_output_dir(out, overwrite=overwrite)
-    torch.set_num_threads(threads)
+    check_not_input(out, {"--model": model})
+    check_output_dir(out, overwrite=overwrite, accept=is_router_dir,
+                     kind=f"a SEKV router directory ({WEIGHTS} + {MANIFEST})")
+    cfg.check_positions(load_config(model))  # the config alone: before reading the weights
+    set_threads(threads)
     base, tok = load_reference(model)
     manifest = train_router(base, tok, out, cfg, progress=True, log=lambda line: print(line, file=sys.stderr, flush=True))
     write_card(out, model, manifest)
@@ -84,31 +88,32 @@ def eval_command(
     """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines."""
     import tempfile
 
-    import torch
     from rich.table import Table
 
     from kvstate.lab.cli_output import (
         check_results_out,
         notes_console,
         print_json,
+        set_threads,
         table_console,
         write_results,
     )
-    from kvstate.lab.harness import load_reference
+    from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
     from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, summarise
-    from kvstate.lab.semantic.protocol import MULTI_Q, PPL, build_items
+    from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
+    from kvstate.models.loading import load_config
     from kvstate.semantic.router import RouterConfig, SemanticRouter
     from kvstate.semantic.segment import SegmentConfig
 
     console = notes_console()
-    torch.set_num_threads(threads)
+    set_threads(threads)
     budgets = parse_floats(budget, "--budget", lo=0.0, lo_open=True, hi=1.0, example="0.5,0.25,0.125")
-    lengths = parse_ints(length, "--length", example="1024,2K")
+    lengths = parse_ints(length, "--length", lo=64, example="1024,2K")
     tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL], example="niah_single,ppl")
     chosen = parse_names(methods, "--methods", example="full,sekv,kvpress")
     presses = [p for m in chosen for p in (kp.DEFAULT_PRESSES if m == "kvpress" else (m,) if m.endswith("Press") else ())]
@@ -116,8 +121,20 @@ def eval_command(
     if unknown:
         raise KVStateError(f"--methods: unknown method(s) {unknown}; choose from {', '.join(IN_PROCESS)}, kvpress or "
                            "press class names, e.g. --methods full,sekv,SnapKVPress")
+    if len(set(presses)) != len(presses):
+        raise KVStateError(f"--methods {methods!r} names a press twice ('kvpress' already runs "
+                           f"{', '.join(kp.DEFAULT_PRESSES)}); list each press once")
+    if not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (items per task and length)")
+    venv_ok = not kvpress_venv.exists() or (kvpress_venv / "bin" / "python").is_file() or (
+        kvpress_venv.is_dir() and not any(kvpress_venv.iterdir()))
+    if presses and not venv_ok:  # `python -m venv` would write into whatever directory is there
+        raise OutputError(f"--kvpress-venv {str(kvpress_venv)!r} exists and is not a Python environment; pass a new "
+                          "path (it is created there) or an existing kvpress environment")
     if save is not None:
         check_results_out(save, overwrite=overwrite)
+    config = load_config(model)  # the config alone: lengths are checked before the weights are read
+    check_lengths_fit(config, [L + (CONTINUATION if PPL in tasks else 0) for L in lengths])
     rec = Recorder(code=EVAL_CODE, models=[model, *([router] if router is not None else [])], n=n, seeds=[seed],
                    tasks=tasks, lengths=lengths, settings={"budgets": budgets, "methods": chosen, "threads": threads})
     base, tok = load_reference(model)
@@ -169,7 +186,9 @@ def eval_command(
     printed = {**result, "provenance": prov}
     if save is not None:
         write_results(save, result, prov, overwrite=overwrite)
-        if (save.parent / "manifest.json").is_file():
+        from kvstate.integrity import artifact_kind
+
+        if save.name == "eval.json" and artifact_kind(save.parent) == "router":  # the router's card quotes it
             from kvstate.lab.semantic.card import write_card
 
             write_card(save.parent, model)

@@ -28,15 +28,18 @@ import torch
 from torch import nn
 
 from kvstate.errors import KVStateError
-from kvstate.lab.workloads.tasks import TRAIN_STREAM, TaskConfig, _make
+from kvstate.lab.workloads.tasks import TASKS, TRAIN_STREAM, TaskConfig, _make
 from kvstate.models import model_fingerprint
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
 from kvstate.semantic.lowrank import gated_reconstruction
 from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import SegmentConfig, span_weights
+from kvstate.validate import check_float, check_int
 
 CAPTURE = "sekv_capture"
+MAX_MINUTES = 7 * 24 * 60.0  # a week: a longer budget is a typo, not a plan
+ROW_ROOM = 64  # tokens a training row holds beyond its context: <bos>, the question, the answer, <eos>
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,44 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.minutes > 0:
-            raise KVStateError(f"TrainConfig.minutes={self.minutes} must be > 0")
-        if not 0 < self.budget <= 1:
-            raise KVStateError(f"TrainConfig.budget={self.budget} must be in (0, 1]")
-        if not 0 < self.mass < 1:
-            raise KVStateError(f"TrainConfig.mass={self.mass} must be in (0, 1)")
-        if not self.lengths or min(self.lengths) < 64:
-            raise KVStateError(f"TrainConfig.lengths={self.lengths} must be non-empty, each >= 64")
+        def f(name: str, v: object, *a: Any, **k: Any) -> None:
+            check_float(f"TrainConfig.{name}", v, *a, error=KVStateError, **k)
+
+        def i(name: str, v: object, *a: Any, **k: Any) -> None:
+            check_int(f"TrainConfig.{name}", v, *a, error=KVStateError, **k)
+
+        f("minutes", self.minutes, 0.0, MAX_MINUTES, lo_open=True)
+        if self.max_steps is not None:
+            i("max_steps", self.max_steps, 1, 10**9, hint=" or None (the --minutes budget alone)")
+        f("budget", self.budget, 0.0, 1.0, lo_open=True)
+        f("mass", self.mass, 0.0, 1.0, lo_open=True, hi_open=True)
+        for name in ("lr", "pos_weight"):
+            f(name, getattr(self, name), 0.0, lo_open=True)
+        for name in ("w_distill", "w_zoom", "w_rec", "w_expand", "w_rank"):
+            f(name, getattr(self, name), 0.0)
+        i("rec_spans", self.rec_spans, 1, 4096)
+        i("seed", self.seed, 0, 2**31 - 1)
+        if not isinstance(self.lengths, tuple) or not self.lengths or len(set(self.lengths)) != len(self.lengths):
+            raise KVStateError(f"TrainConfig.lengths={self.lengths!r} must be a non-empty tuple without repeats")
+        for length in self.lengths:
+            i("lengths", length, 64, 2**20)
+        if not isinstance(self.tasks, tuple) or not self.tasks or len(set(self.tasks)) != len(self.tasks) \
+                or not all(t in TASKS and t != "text" for t in self.tasks):
+            raise KVStateError(f"TrainConfig.tasks={self.tasks!r} must be a non-empty tuple of distinct task names "
+                               f"(not 'text'), e.g. ('niah_single', 'qa')")
+        if not isinstance(self.segment, SegmentConfig):
+            raise KVStateError(f"TrainConfig.segment={self.segment!r} must be a SegmentConfig")
+
+    def check_positions(self, config: Any) -> None:
+        """Raise :class:`KVStateError` when a training row (context + question + answer) cannot fit the model's
+        ``max_position_embeddings``."""
+        from kvstate.models.families import text_config
+
+        limit = getattr(text_config(config), "max_position_embeddings", None)
+        if isinstance(limit, int) and max(self.lengths) + ROW_ROOM > limit:
+            raise KVStateError(f"--length {max(self.lengths):,} + {ROW_ROOM} tokens for the question and answer "
+                               f"exceeds the model's max_position_embeddings={limit:,}; pass lengths <= "
+                               f"{limit - ROW_ROOM:,}")
 
 
 @contextmanager
@@ -176,6 +209,7 @@ def train_router(model: Any, tokenizer: Any, out_dir: Path, cfg: TrainConfig, pr
     """Train a router for ``model`` (frozen) and save it to ``out_dir``; returns the manifest."""
     from kvstate.lab.progress import progress_bar
 
+    cfg.check_positions(model.config)
     torch.manual_seed(cfg.seed)
     for p in model.parameters():
         p.requires_grad_(False)

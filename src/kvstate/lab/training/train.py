@@ -52,7 +52,8 @@ import numpy as np
 import torch
 import transformers as tf
 
-from kvstate.io_safety import check_output_dir
+from kvstate.integrity import accepts_kind
+from kvstate.io_safety import check_not_input, check_output_dir
 from kvstate.lab.training.config import (
     ARCHS,
     COPY,
@@ -202,7 +203,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     same = resume is not None and Path(resume).resolve() == out.resolve()
     # the same run continues (its draws and lr schedule): resuming from out or its periodic saves
     continuing = resume is not None and Path(resume).resolve() in (out.resolve(), partial_dir(out).resolve())
-    check_output_dir(out, overwrite=overwrite or same)  # before any work: refuse, or fail fast if unwritable
+    if init_from is not None:
+        check_not_input(out, {"--init-from": init_from})
+    # before any work: refuse, or fail fast if unwritable; a router / codec / other directory is never written into
+    check_output_dir(out, overwrite=overwrite or same, accept=accepts_kind("model"), kind="a model directory")
     torch.set_num_threads(cfg.threads)
     dist = torch.distributed
     ddp = dist.is_available() and dist.is_initialized()

@@ -41,7 +41,9 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
     try:
         state = json.loads((model_dir / "training_state.json").read_text())
         base = json.loads((base_dir / "training_state.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        for key in ("config", "curve", "step", "seconds", "tokens"):
+            state[key], base[key]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise KVStateError(f"card: need training_state.json in {model_dir} and {base_dir}: {exc}") from None
     cfg = state["config"]
     curve = [p for p in state["curve"] if p["step"] > base["step"]]
@@ -100,9 +102,13 @@ def codec_card(codec_dir: str | Path, command: str) -> str:
     d = Path(codec_dir)
     try:
         m = json.loads((d / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise KVStateError(f"card: {d} has no readable manifest.json: {exc}") from None
-    cal, g = m["calibration"], m["geometry"]
+        cal, g = m["calibration"], m["geometry"]
+        for key in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v", "patch_err_k", "patch_err_v",
+                    "impact_raw", "impact_reuse", "impact_patch", "kl_all_layers"):
+            cal[key]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise KVStateError(f"card: {d} has no readable codec manifest.json ({type(exc).__name__}: {exc}); "
+                           "recalibrate with kvstate transfer calibrate") from None
     reuse = g["n_kv_heads"] * (m["rank_k"] + m["rank_v"]) * m["bits"] / 8
     patch = m["rank_h"] * m["bits"] / 8
     lines = [f"# {d.name} — SCD codec", "",

@@ -23,11 +23,19 @@ DEFAULT_CODEC = Path("models/codec-ref-attn-ft")
 
 
 def _threads(n: int) -> None:
-    import torch
+    from kvstate.lab.cli_output import set_threads
 
-    if n < 1:
-        raise KVStateError(f"--threads {n} must be >= 1")
-    torch.set_num_threads(n)
+    set_threads(n)
+
+
+def _positions(*dirs: Path) -> int | None:
+    """The smallest ``max_position_embeddings`` of the models' configs (read before any weights)."""
+    from kvstate.models.families import text_config
+    from kvstate.models.loading import load_config
+
+    limits = [getattr(text_config(load_config(d)), "max_position_embeddings", None) for d in dirs]
+    known = [x for x in limits if isinstance(x, int)]
+    return min(known) if known else None
 
 
 def _patch(value: str) -> int | None:
@@ -57,18 +65,26 @@ def calibrate_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
 ) -> None:
     """Fit REUSE maps and PATCH aligners on paired prefixes; choose the transition layers; save the codec."""
-    from kvstate.io_safety import check_output_dir
+    from kvstate.io_safety import check_not_input, check_output_dir
     from kvstate.lab.harness import load_reference
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.transfer.prompts import calibration_prompts
     from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
+    from kvstate.transfer.codec import MANIFEST, WEIGHTS, CodecConfig, is_codec_dir
+    from kvstate.transfer.states import geometry
 
     _threads(threads)
     cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
                             prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map)
-    check_output_dir(out, overwrite=overwrite)
+    check_not_input(out, {"--producer": producer, "--consumer": consumer})
+    check_output_dir(out, overwrite=overwrite, accept=is_codec_dir, kind=f"a codec directory ({WEIGHTS} + {MANIFEST})")
+    limit = _positions(producer, consumer)
+    if limit is not None and length > limit:
+        raise KVStateError(f"--length {length:,} exceeds the models' max_position_embeddings={limit:,}; pass "
+                           f"--length <= {limit:,}")
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
+    CodecConfig(cfg.rank_k, cfg.rank_v, cfg.rank_h, (), cfg.bits).check(geometry(p))  # before the progress bar
     prompts = calibration_prompts(tok, cfg)
     n_hold = max(1, len(prompts) // 4)
     total = (len(prompts) - n_hold) + p.config.num_hidden_layers + n_hold
@@ -96,6 +112,8 @@ def serve_command(
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 7070,
     store: Annotated[str, typer.Option("--store", help="Payload store: memory:// or redis://HOST:PORT/DB.")] = "memory://",
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", help="Tokens per request at most (bounds how long one request holds the model).")] = 8192,
 ) -> None:
     """Serve SCD payloads of prompt prefixes over TCP until interrupted."""
     import asyncio
@@ -107,12 +125,13 @@ def serve_command(
     from kvstate.transfer.transport import ServerConfig, start_server
 
     _threads(threads)
+    config = ServerConfig(host=host, port=port, max_tokens=max_tokens)  # bad values fail before the model loads
     codec = Codec.load(codec_dir)
     model, _ = load_reference(producer)
     service = producer_service(model, codec, open_store(store))
 
     async def main() -> None:
-        server = await start_server(service, ServerConfig(host=host, port=port))
+        server = await start_server(service, config)
         bound = server.sockets[0].getsockname()
         console.print(f"serving SCD payloads for pair {codec.pair.hex()[:12]}… on {bound[0]}:{bound[1]} "
                       f"(store {store}); Ctrl-C stops")
@@ -145,8 +164,10 @@ def generate_command(
     from kvstate.transfer.serving import consumer_generate
 
     _threads(threads)
-    if max_new_tokens < 1:
-        raise KVStateError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    limit = _positions(consumer)
+    if not 1 <= max_new_tokens <= (limit or 1 << 20):
+        raise KVStateError(f"--max-new-tokens {max_new_tokens} must be in 1..{limit or 1 << 20:,} (the consumer's "
+                           "positions)")
     codec = Codec.load(codec_dir)
     model, tok = load_reference(consumer)
     gen = consumer_generate(model, tok, codec, server, prompt, max_new_tokens, timeout)
@@ -183,18 +204,24 @@ def bench_command(
 ) -> None:
     """oracle / raw / kv4bit / droidspeak / reuse / scd on the same prompts: quality, bytes, TTFT."""
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
-    from kvstate.lab.harness import load_reference
+    from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.lists import parse_ints
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.transfer.bench import BenchConfig, run_bench
+    from kvstate.models.loading import load_config
     from kvstate.transfer.codec import Codec
 
     _threads(threads)
-    cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", example="1024,2K")), ppl_n=ppl_n,
-                      weak_n=weak_n, ablation_n=ablation_n)
+    cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", lo=64, example="1024,2K")),
+                      ppl_n=ppl_n, weak_n=weak_n, ablation_n=ablation_n)
+    for option, value in (("--n", n), ("--ppl-n", ppl_n), ("--weak-n", weak_n), ("--ablation-n", ablation_n)):
+        if not (1 if option == "--n" else 0) <= value <= MAX_EXAMPLES:
+            raise KVStateError(f"{option} {value} must be in {1 if option == '--n' else 0}..{MAX_EXAMPLES:,}")
     if out is not None:
         check_results_out(out, overwrite=overwrite)
+    check_lengths_fit(load_config(consumer), cfg.lengths)  # the configs alone: before reading the weights
+    check_lengths_fit(load_config(producer), cfg.lengths)
     rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir], n=n, seeds=[seed], tasks=cfg.tasks,
                    lengths=cfg.lengths, settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n})
     codec = Codec.load(codec_dir)
@@ -224,19 +251,39 @@ def bench_command(
 
 @app.command("card")
 def card_command(
-    model: Annotated[Path, typer.Option("--model", help="The fine-tuned consumer directory.")] = Path("models/ref-attn-ft"),
-    base: Annotated[Path, typer.Option("--base", help="The model it was fine-tuned from.")] = Path("models/ref-attn"),
+    model: Annotated[Path | None, typer.Option("--model", help="The fine-tuned consumer directory.")] = None,
+    base: Annotated[Path | None, typer.Option("--base", help="The model it was fine-tuned from.")] = None,
     bench: Annotated[Path | None, typer.Option("--bench", help="kvstate transfer bench JSON to quote.")] = None,
-    command: Annotated[str, typer.Option("--command", help="The fine-tune / calibrate command, quoted in the card.")] = "",
+    command: Annotated[str | None, typer.Option("--command", help="The fine-tune / calibrate command, quoted in the card.")] = None,
     codec_dir: Annotated[Path | None, typer.Option("--codec", help="Write CODEC/README.md instead (from its manifest).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing README.md.")] = False,
 ) -> None:
-    """Write MODEL/README.md for a fine-tuned consumer from its run (and the transfer bench), or a codec's card."""
+    """Write MODEL/README.md for a fine-tuned consumer (--model, --base) from its run and the transfer bench, or a
+    codec's card (--codec); always with the --command that made it. An existing README.md is replaced only with
+    --overwrite."""
+    from kvstate.integrity import artifact_kind
     from kvstate.io_safety import write_text_atomic
+    from kvstate.lab.cli_output import check_out_file
     from kvstate.lab.transfer.card import codec_card, consumer_card
 
+    if codec_dir is not None and (model is not None or base is not None or bench is not None):
+        raise KVStateError("transfer card: pass --codec DIR alone, or --model DIR --base DIR [--bench FILE]")
+    if codec_dir is None and (model is None or base is None):
+        raise KVStateError("transfer card: pass --model DIR --base DIR (the consumer and the model it was fine-tuned "
+                           "from), or --codec DIR; nothing is written to a default path")
+    if not command or not command.strip():
+        raise KVStateError("transfer card: pass --command '...' (the fine-tune / calibrate command the card quotes)")
+    if bench is not None and not bench.is_file():
+        raise KVStateError(f"--bench {str(bench)!r} is not a file; pass a kvstate transfer bench result file")
+    for option, d, kind in (("--codec", codec_dir, "codec"), ("--model", model, "model"), ("--base", base, "model")):
+        if d is not None and artifact_kind(d) != kind:
+            raise KVStateError(f"transfer card: {option} {str(d)!r} is not a {kind} directory; pass one")
     if codec_dir is not None:
-        write_text_atomic(codec_dir / "README.md", codec_card(codec_dir, command))
-        console.print(f"wrote {codec_dir / 'README.md'}")
+        path = check_out_file(codec_dir / "README.md", overwrite=overwrite, option="transfer card")
+        write_text_atomic(path, codec_card(codec_dir, command))
+        console.print(f"wrote {path}")
         return
-    write_text_atomic(model / "README.md", consumer_card(model, base, bench, command))
-    console.print(f"wrote {model / 'README.md'}")
+    assert model is not None and base is not None
+    path = check_out_file(model / "README.md", overwrite=overwrite, option="transfer card")
+    write_text_atomic(path, consumer_card(model, base, bench, command))
+    console.print(f"wrote {path}")
