@@ -76,12 +76,24 @@ def card_text(model_dir: Path) -> str:
     ev = model_dir / EVAL_FILE
     if ev.is_file():
         data = read_runs(ev)[-1]
-        lines += ["## Sharing patterns (measured: `kvstate depth eval`)", "",
-                  "score = mean exact match over niah_single / multikey / multivalue / multiquery at 1K and 2K; "
-                  "ppl on held-out text at 1K; KV bytes per token measured from the cache tensors.", "",
+        prov = data.get("provenance") or {}
+        if prov:
+            how = (f"score = exact match over {' / '.join(data.get('tasks', []))} at "
+                   f"{' and '.join(str(x) for x in data.get('lengths', []))} tokens, n = {data.get('n')} per task and "
+                   f"length (seed {data.get('seed')}), 95% interval; ppl on {data.get('ppl_texts')} held-out texts of "
+                   f"{data.get('ppl_length')} tokens (bootstrap interval); KV bytes per token and peak bytes measured "
+                   f"from the cache tensors. Run: `{prov.get('command')}` at commit {prov.get('commit')} "
+                   f"({prov.get('date_utc')} UTC, {prov.get('wall_seconds')} s).")
+        else:
+            how = "score, ppl and KV bytes from a run recorded before provenance (settings unknown)."
+        lines += ["## Sharing patterns (measured: `kvstate depth eval`)", "", how, "",
                   "| keep | pattern | ppl | score | KV B/token | decode tok/s |", "|---|---|---|---|---|---|"]
         for r in data["results"]:
-            lines.append(f"| {r['keep']:g} | `{r['pattern']}` | {r['ppl']:.3f} | {r['score']:.3f} | "
+            ppl_ci = r.get("ppl_ci")
+            score_ci = r.get("score_ci")
+            ppl = f"{r['ppl']:.3f}" + (f" [{ppl_ci[0]:.2f}, {ppl_ci[1]:.2f}]" if ppl_ci else "")
+            score = f"{r['score']:.3f}" + (f" [{score_ci[0]:.3f}, {score_ci[1]:.3f}]" if score_ci else "")
+            lines.append(f"| {r['keep']:g} | `{r['pattern']}` | {ppl} | {score} | "
                          f"{r['kv_bytes_per_token']:g} | {r['decode_tok_s']:g} |")
         lines.append("")
     return "\n".join(lines)
