@@ -174,7 +174,7 @@ def append_run(path: str | Path, run: dict[str, Any], provenance: dict[str, Any]
     """Append ``run`` (with its ``provenance``) to the result file at ``path``, atomically; older runs kept."""
     p = Path(path)
     runs = read_runs(p) if p.is_file() else []
-    runs.append(_finite({"provenance": provenance, **run}))
+    runs = [*map(_finite, runs), _finite({"provenance": provenance, **run})]  # older files may hold NaN
     write_text_atomic(p, json.dumps({"format": FORMAT, "runs": runs}, indent=1, allow_nan=False) + "\n")
 
 
