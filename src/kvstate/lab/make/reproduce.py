@@ -4,8 +4,8 @@ Each job is one command that appends a run, with its provenance, to one result f
 (:mod:`kvstate.lab.provenance`). The runner is resumable: a job whose result file is already
 ``current`` (its code and models unchanged since its newest run) is skipped, so an interrupted
 ``make reproduce`` continues where it stopped. Before starting it prints the plan with an estimate per
-job — the wall time recorded by the file's newest run where there is one, else the job's own estimate
-measured here — and shows a progress bar over the jobs while they run (each job's own output goes to
+job — the wall time recorded by the file's newest run where there is one, else the job's rough estimate
+(from a partial run here where one was made) — and shows a progress bar over the jobs while they run (each job's own output goes to
 its log under ``runs/reproduce/``).
 """
 
@@ -33,7 +33,7 @@ class Job:
     name: str  # short id, e.g. "depth:ref-attn-rcla"
     artifact: str  # repository-relative result file the command appends to
     command: str  # shell command, run from the repository root
-    estimate_s: float  # wall seconds measured here (2-core machine, one thread) when no run is recorded
+    estimate_s: float  # rough wall seconds (2-core machine, one thread) used until a run is recorded
 
 
 def _depth(name: str) -> Job:
@@ -57,7 +57,8 @@ def jobs() -> list[Job]:
         Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 3600.0),
         Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 3600.0),
         Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 1800.0),
-        Job("transfer:bench", f"models/{CODEC}/bench.json", TRANSFER_COMMAND, 1800.0),
+        # a partial run here: 141 of 1,421 items in 459 s with the other core busy
+        Job("transfer:bench", f"models/{CODEC}/bench.json", TRANSFER_COMMAND, 4700.0),
     ]
 
 
