@@ -10,17 +10,12 @@ from kvstate.lab.prefix.replay import declared_boundaries, replay
 from kvstate.lab.workloads.traces import Request
 from kvstate.prefix import PrefixCacheConfig
 from tests.conftest import get_model
-from tests.lib.prefix.redis_server import RedisServer
+from tests.lib.prefix.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 
 @pytest.fixture
-def server():  # type: ignore[no-untyped-def]
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(redis_server):  # type: ignore[no-untyped-def]  # noqa: F811 (the shared fixture, by name)
+    return redis_server
 
 
 def _trace() -> list[Request]:

@@ -51,3 +51,14 @@ class RedisServer:
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_timeout=2)
+
+
+@pytest.fixture
+def redis_server():  # type: ignore[no-untyped-def]
+    """A started :class:`RedisServer`, stopped after the test."""
+    srv = RedisServer()
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

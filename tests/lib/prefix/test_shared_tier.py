@@ -14,19 +14,14 @@ from kvstate.prefix import PrefixCacheConfig
 from kvstate.prefix.engine import SparsePrefixCache
 from kvstate.prefix.shared_tier import decode, encode
 from tests.conftest import get_model, random_ids
-from tests.lib.prefix.redis_server import RedisServer
+from tests.lib.prefix.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 MiB = 1 << 20
 
 
 @pytest.fixture
-def server():  # type: ignore[no-untyped-def]
-    srv = RedisServer()
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(redis_server):  # type: ignore[no-untyped-def]  # noqa: F811 (the shared fixture, by name)
+    return redis_server
 
 
 def _engine(model, url: str, **kw) -> SparsePrefixCache:  # type: ignore[no-untyped-def]
