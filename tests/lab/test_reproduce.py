@@ -15,7 +15,8 @@ def test_every_result_file_a_section_reads_has_a_job():
                 "models/ref-attn-sekv/eval.json", "models/ref-attn-sekv/eval_sweep.json",
                 "models/ref-hybrid-sekv/eval.json", "models/codec-ref-attn-ft/bench.json",
                 *(f"models/{m}/depth_eval.json" for m in ("ref-attn", "ref-attn-norouting", "ref-attn-cla2",
-                                                           "ref-attn-rcla", "ref-attn-rcla075"))}
+                                                           "ref-attn-rcla", "ref-attn-rcla075", "ref-attn-kv1")),
+                *(f"models/{m}/depth_decode.json" for m in ("ref-attn-rcla", "ref-attn-kv1"))}
     assert arts == expected
     for j in R.jobs():  # each command appends to the file it is the job of, on test seeds
         assert j.artifact in j.command and ("--seed 1000" in j.command or "prefix_replay.py" in j.command)

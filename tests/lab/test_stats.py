@@ -67,3 +67,18 @@ def test_items_for_halfwidth_and_bad_input():
         stats.rate([0.5, float("nan")])
     with pytest.raises(KVStateError):
         stats.paired_difference([1, 0], [1])
+
+
+def test_paired_perplexity_ratio_is_exact_and_tighter_than_unpaired():
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(200, 400, size=200).astype(float)
+    nll_b = tokens * rng.uniform(1.5, 3.0, size=200)  # texts differ a lot in difficulty
+    nll_a = nll_b + tokens * 0.02 + rng.normal(0, 1.0, size=200)  # a is uniformly ~2% worse per token
+    est = stats.paired_perplexity_ratio(nll_a, tokens, nll_b, tokens, seed=0)
+    exact = np.exp(nll_a.sum() / tokens.sum()) / np.exp(nll_b.sum() / tokens.sum()) - 1
+    assert abs(est.value - exact) < 1e-12 and est.n == 200
+    assert est.lo < est.value < est.hi and est.lo > 0.015 and est.hi < 0.025
+    pa, pb = stats.perplexity(nll_a, tokens), stats.perplexity(nll_b, tokens)
+    assert (est.hi - est.lo) < (pa.hi - pa.lo) / pb.value  # pairing removes the per-text difficulty spread
+    with pytest.raises(KVStateError, match="same texts"):
+        stats.paired_perplexity_ratio(nll_a, tokens, nll_b, tokens + 1)

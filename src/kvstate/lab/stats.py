@@ -6,6 +6,7 @@ One implementation used by every axis's bench and by the report (``docs/lab.md``
 - a mean of scores in [0, 1] that are not all 0/1 (partial credit) gets a bootstrap interval of the mean;
 - perplexity over texts gets a bootstrap interval of ``exp(sum NLL / sum tokens)``, resampling texts;
 - two methods scored on the same items get a *paired* bootstrap interval of the mean difference;
+- two models' perplexities on the same texts get a *paired* bootstrap interval of their ratio minus one;
 - a target is ``met`` when the whole interval is on its good side, ``missed`` when the whole interval is
   on its bad side, and ``undecided`` when the interval straddles it.
 
@@ -107,6 +108,26 @@ def paired_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.n
 
     lo, hi = _bootstrap((x, y), diff, paired=True, seed=seed, confidence=confidence)
     return Estimate(diff(x, y), lo, hi, x.size)
+
+
+def paired_perplexity_ratio(nll_a: Sequence[float] | np.ndarray, tokens_a: Sequence[float] | np.ndarray,
+                            nll_b: Sequence[float] | np.ndarray, tokens_b: Sequence[float] | np.ndarray, *,
+                            seed: int = 0, confidence: float = CONFIDENCE) -> Estimate:
+    """``ppl(a) / ppl(b) - 1`` over the same texts, with a paired bootstrap interval (whole texts resampled).
+
+    ``+0.02`` means ``a``'s perplexity is 2% above ``b``'s. The texts must be the same (equal token counts).
+    """
+    xa, ta = _array(nll_a, "paired perplexity (a NLL)"), _array(tokens_a, "paired perplexity (a tokens)")
+    xb, tb = _array(nll_b, "paired perplexity (b NLL)"), _array(tokens_b, "paired perplexity (b tokens)")
+    if not xa.size == ta.size == xb.size == tb.size or np.any(ta <= 0) or not np.array_equal(ta, tb):
+        raise KVStateError("paired perplexity: both models need one NLL sum per text on the same texts "
+                           f"(equal positive token counts; got {xa.size} and {xb.size} texts)")
+
+    def ratio(u: np.ndarray, v: np.ndarray, t: np.ndarray) -> float:
+        return float(np.exp((u.sum() - v.sum()) / t.sum()) - 1)
+
+    lo, hi = _bootstrap((xa, xb, ta), ratio, paired=True, seed=seed, confidence=confidence)
+    return Estimate(ratio(xa, xb, ta), lo, hi, xa.size)
 
 
 def decide(lo: float, hi: float, threshold: float, *, higher_is_better: bool = True) -> Status:

@@ -3,7 +3,8 @@
 A typer sub-app registered by ``cli.py``. ``train`` wraps :func:`kvstate.lab.depth.train.depth_train`
 (runs under ``torchrun`` with DDP over gloo when started that way); ``init-kv1`` wraps
 :func:`kvstate.lab.depth.kv1.init_kv1` (the equal-KV dense baseline's start); ``eval`` wraps
-:func:`kvstate.lab.depth.evaluate.evaluate_sharing`. torch and transformers load inside the commands.
+:func:`kvstate.lab.depth.evaluate.evaluate_sharing`; ``decode`` wraps
+:func:`kvstate.lab.depth.deploy.decode_benchmark` (decode speed and resident KV through ``generate``). torch and transformers load inside the commands.
 """
 
 from __future__ import annotations
@@ -116,6 +117,56 @@ def eval_command(
         table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
                       f"{r['kv_bytes_per_token']:,}", f"{r['decode_tok_s']:.1f}")
     table_console(as_json).print(table)
+    prov = rec.finish()
+    if out is not None:
+        write_results(out, result, prov, overwrite=overwrite)
+    if as_json:
+        print_json({**result, "provenance": prov})
+
+
+DECODE_CODE = ("depth", "models", "lab/depth/deploy.py")
+
+
+@app.command("decode")
+def decode_command(
+    model: Annotated[Path, typer.Option("--model", help="A model directory (e.g. models/ref-attn-rcla).")],
+    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated.")] = "1,0.75,0.5,0.25",
+    context: Annotated[str, typer.Option("--context", help="Prompt tokens before decoding (e.g. 2K).")] = "2K",
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens generated per timed call.")] = 32,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Interleaved repeats (medians reported).")] = 5,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the random prompt.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Append this run, with its provenance, to a result file (e.g. DIR/depth_decode.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+) -> None:
+    """Decode tokens/s and resident KV bytes through model.generate under each sharing pattern, beside keep 1."""
+    from rich.table import Table
+
+    from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
+    from kvstate.lab.depth.deploy import decode_benchmark
+    from kvstate.lab.harness import load_reference
+    from kvstate.lab.lists import parse_floats, parse_ints
+    from kvstate.lab.provenance import Recorder
+
+    fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
+    (ctx,) = parse_ints(context, "--context", lo=1, example="2K")
+    if out is not None:
+        check_results_out(out, overwrite=overwrite)
+    rec = Recorder(code=DECODE_CODE, models=[model], seeds=[seed], lengths=[ctx],
+                   settings={"keep": fractions, "new_tokens": new_tokens, "repeats": repeats})
+    net, _ = load_reference(model)
+    rows = decode_benchmark(net, fractions, context=ctx, new_tokens=new_tokens, repeats=repeats, seed=seed)
+    table = Table(title=f"{model} — generate at {ctx} tokens, {new_tokens} new, median of {repeats}")
+    for col in ("keep", "pattern", "decode tok/s", "range", "vs keep 1", "prefill s", "KV bytes held", "vs keep 1 "):
+        table.add_column(col, justify="right")
+    for r in rows:
+        lo, hi = r["decode_tok_s_range"]
+        table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['decode_tok_s']:.1f}", f"{lo:.1f}-{hi:.1f}",
+                      f"{r['decode_speedup_vs_full']}x", f"{r['prefill_s']:.3f}", f"{r['cache_bytes']:,}",
+                      f"{r['cache_bytes_vs_full']}")
+    table_console(as_json).print(table)
+    result = {"model": str(model), "context": ctx, "new_tokens": new_tokens, "repeats": repeats, "results": rows}
     prov = rec.finish()
     if out is not None:
         write_results(out, result, prov, overwrite=overwrite)

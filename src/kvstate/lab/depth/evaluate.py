@@ -8,7 +8,8 @@ with a 95% interval; ``ppl`` = perplexity on ``ppl_texts`` held-out texts (full 
 pattern) with a bootstrap interval over texts; ``kv_bytes_per_token`` = bytes of the cache tensors after
 prefill divided by the prompt tokens and ``peak_bytes`` = the largest cache held on any item (measured
 from tensors, not computed); ``decode_tok_s`` = greedy decoding tokens per second. Per-item scores are
-kept (``items``) so two models or two keeps can be compared *paired* on the same items. Used for Random
+kept (``items``), and per-text NLL sums with their token counts (``text_nll``), so two models or two keeps
+can be compared *paired* on the same items and texts. Used for Random
 Cross-Layer Attention ("Stochastic KV Routing") and its controls.
 """
 
@@ -64,7 +65,7 @@ def evaluate_sharing(model_dir: str | Path, keeps: Sequence[float], kind: str = 
                      "kv_bytes_per_token": round(sum(per_token) / len(per_token), 2),
                      "peak_bytes": max(e.cache_bytes for e in res.examples),
                      "decode_tok_s": round(sum(e.new_tokens for e in res.examples) / decode_s, 1) if decode_s else 0.0,
-                     "items": items})
+                     "items": items, "text_nll": [[round(t.nll, 5), t.tokens] for t in nll]})
     return {"model": str(model_dir), "n": n, "seed": seed, "tasks": list(tasks), "lengths": list(lengths),
             "ppl_texts": ppl_texts, "ppl_length": ppl_length, "results": rows}
 

@@ -42,9 +42,15 @@ def _depth(name: str) -> Job:
     return Job(f"depth:{name}", f"models/{name}/{EVAL_FILE}", eval_command(name), 900.0)
 
 
+def _depth_decode(name: str) -> Job:
+    from kvstate.lab.depth.section import DECODE_FILE, decode_command
+
+    return Job(f"depth:decode-{name}", f"models/{name}/{DECODE_FILE}", decode_command(name), 300.0)
+
+
 def jobs() -> list[Job]:
     """Every result file the report reads, with the command that regenerates it."""
-    from kvstate.lab.depth.section import LABELS
+    from kvstate.lab.depth.section import KV1, LABELS, RCLA
     from kvstate.lab.prefix.replay_section import REPLAY_CMD, REPLAY_FILE, TREE_CMD, TREE_FILE
     from kvstate.lab.semantic.section import EVAL_COMMAND, HYBRID_COMMAND, SWEEP_COMMAND
     from kvstate.lab.transfer.section import CODEC
@@ -54,6 +60,7 @@ def jobs() -> list[Job]:
         Job("prefix:replay", f"models/ref-hybrid/{REPLAY_FILE}", REPLAY_CMD, 1500.0),
         Job("prefix:tree-replay", f"models/ref-hybrid/{TREE_FILE}", TREE_CMD, 1800.0),
         *(_depth(name) for name in LABELS),
+        *(_depth_decode(name) for name in (RCLA, KV1)),
         Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 3600.0),
         Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 3600.0),
         Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 1800.0),
