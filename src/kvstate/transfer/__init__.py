@@ -6,8 +6,15 @@ from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
 from kvstate.transfer.payload import FORMAT_VERSION, Payload, PayloadError, ids_hash
 from kvstate.transfer.store import MemoryStore, RedisStore, StoreError, open_store
-from kvstate.transfer.transport import ServerConfig, ServerThread, TransportError, fetch_payload
+from kvstate.transfer.transport import (
+    ProducerUnavailable,
+    ServerConfig,
+    ServerThread,
+    TransportError,
+    fetch_payload,
+    hello,
+)
 
 __all__ = ["FORMAT_VERSION", "CalibrationConfig", "Codec", "CodecConfig", "CodecError", "MemoryStore", "Payload",
-           "PayloadError", "RedisStore", "ServerConfig", "ServerThread", "StoreError", "TransportError",
-           "calibrate_on", "fetch_payload", "ids_hash", "open_store"]
+           "PayloadError", "ProducerUnavailable", "RedisStore", "ServerConfig", "ServerThread", "StoreError",
+           "TransportError", "calibrate_on", "fetch_payload", "hello", "ids_hash", "open_store"]

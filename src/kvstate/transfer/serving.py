@@ -5,12 +5,16 @@
 and ships the payload; the consumer decodes it into its own ``DynamicCache``, runs the last prompt token
 itself (it needs that token's logits) and continues with ``model.generate``. Both ends bound what they
 take by the model: the producer's vocabulary and positions (every request), the consumer's positions
-(prompt + new tokens). Ignored: sampling, batches.
+(prompt + new tokens). A :class:`Receiver` says which payloads a consumer accepts and how it decodes them
+(the codec's by default; the lab builds receivers for the baselines). When the producer cannot serve
+(:class:`~kvstate.transfer.transport.ProducerUnavailable`) the consumer prefills the prompt itself and
+says so (``Generation.fallback``). Ignored: sampling, batches.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +22,9 @@ import torch
 
 from kvstate.errors import KVStateError
 from kvstate.transfer.codec import Codec
+from kvstate.transfer.payload import Payload
 from kvstate.transfer.store import PayloadStore
-from kvstate.transfer.transport import ProducerService, fetch_payload
+from kvstate.transfer.transport import ProducerService, ProducerUnavailable, fetch_payload
 from kvstate.validate import check_float, check_id_list, check_int
 
 
@@ -29,17 +34,39 @@ def positions(model: Any) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
-def producer_service(producer: Any, codec: Codec, store: PayloadStore) -> ProducerService:
-    """A :class:`ProducerService` that encodes with ``codec`` on ``producer`` (fingerprints checked once)."""
+def producer_service(producer: Any, codec: Codec, store: PayloadStore,
+                     encode: Callable[[torch.Tensor], Payload] | None = None, pair: bytes | None = None,
+                     variant: str = "") -> ProducerService:
+    """A :class:`ProducerService` that encodes with ``codec`` on ``producer`` (fingerprints checked once);
+    ``encode`` (ids (1, T) -> payload) and ``pair`` replace the codec's own encoding (e.g. a baseline),
+    ``variant`` names it in the store's keys."""
     codec.check_models(producer=producer)
+    if (encode is None) != (pair is None):
+        raise KVStateError("producer_service: pass encode and pair together (or neither: the codec's own)")
 
-    def encode(ids: list[int]) -> Any:
+    def run(ids: list[int]) -> Any:
         with torch.inference_mode():
-            return codec.encode(producer, torch.tensor([ids], dtype=torch.long), check=False)
+            x = torch.tensor([ids], dtype=torch.long)
+            return codec.encode(producer, x, check=False) if encode is None else encode(x)
 
-    info = {"producer": codec.producer_fp, "consumer": codec.consumer_fp, "patch_layers": list(codec.config.patch_layers)}
-    return ProducerService(encode, codec.pair, store, info, vocab_size=int(producer.config.vocab_size),
-                           max_tokens=positions(producer))
+    info = {"producer": codec.producer_fp, "consumer": codec.consumer_fp, "patch_layers": list(codec.config.patch_layers),
+            "variant": variant}
+    return ProducerService(run, codec.pair if pair is None else pair, store, info,
+                           vocab_size=int(producer.config.vocab_size), max_tokens=positions(producer), variant=variant)
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """What a consumer accepts and how it decodes it."""
+
+    pair: bytes  # the pair fingerprint its payloads must carry
+    decode: Callable[[Payload, Sequence[int]], Any]  # (payload, prompt ids) -> consumer cache of payload.n_tokens
+
+
+def codec_receiver(consumer: Any, codec: Codec) -> Receiver:
+    """The consumer's side of ``codec`` (its fingerprint checked once)."""
+    codec.check_models(consumer=consumer)
+    return Receiver(codec.pair, lambda payload, ids: codec.decode(consumer, payload, ids, check=False))
 
 
 @dataclass(frozen=True)
@@ -50,13 +77,18 @@ class Generation:
     prompt_tokens: int
     wire_ms: float  # request sent -> payload received (loopback or network)
     decode_ms: float  # payload -> consumer cache
-    generate_ms: float  # last prompt token + new tokens on the consumer
+    generate_ms: float  # last prompt token + new tokens on the consumer (the whole prompt after a fallback)
     cached: bool  # the producer answered from its store
+    fallback: str | None = None  # why the consumer prefilled the prompt itself (None: it used the payload)
 
 
-def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec, server: str, prompt: str,
-                      max_new_tokens: int = 32, timeout: float = 60.0) -> Generation:
-    """Fetch the prompt prefix's payload from ``server`` and greedily continue it on ``consumer``."""
+def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec | Receiver, server: str, prompt: str,
+                      max_new_tokens: int = 32, timeout: float = 60.0, fallback: bool = True) -> Generation:
+    """Fetch the prompt prefix's payload from ``server`` and greedily continue it on ``consumer``.
+
+    ``codec``: the codec (or a :class:`Receiver`) the payload is decoded with. ``fallback``: when the
+    producer cannot serve (:class:`ProducerUnavailable`), prefill the prompt on the consumer and give the
+    reason in ``Generation.fallback`` (False: raise)."""
     if not isinstance(prompt, str):
         raise KVStateError(f"prompt must be text, got {type(prompt).__name__}")
     limit = positions(consumer)
@@ -71,15 +103,29 @@ def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec, server: str, 
                            f"consumer's max_position_embeddings={limit:,}; shorten the prompt or pass "
                            f"--max-new-tokens <= {max(0, limit - len(ids)):,}")
     check_id_list("--prompt token ids", list(ids), int(consumer.config.vocab_size), error=KVStateError)
-    codec.check_models(consumer=consumer)
-    payload, head = fetch_payload(server, ids[:-1], codec.pair, timeout)
+    receiver = codec_receiver(consumer, codec) if isinstance(codec, Codec) else codec
+    try:
+        payload, head = fetch_payload(server, ids[:-1], receiver.pair, timeout)
+    except ProducerUnavailable as exc:
+        if not fallback:
+            raise
+        t0 = time.perf_counter()
+        new = _generate(consumer, tokenizer, ids, None, max_new_tokens)
+        return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), 0, len(ids), 0.0, 0.0,
+                          1e3 * (time.perf_counter() - t0), False, fallback=f"{exc}; prefilled on the consumer instead")
     t0 = time.perf_counter()
-    cache = codec.decode(consumer, payload, ids, check=False)
+    cache = receiver.decode(payload, ids)
     t1 = time.perf_counter()
-    with torch.inference_mode():
-        out = consumer.generate(torch.tensor([ids]), cache=cache, max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    new = _generate(consumer, tokenizer, ids, cache, max_new_tokens)
     t2 = time.perf_counter()
-    new = out[0, len(ids):].tolist()
     return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), int(head["bytes"]), len(ids),
                       float(head["wire_ms"]), 1e3 * (t1 - t0), 1e3 * (t2 - t1), bool(head["cached"]))
+
+
+@torch.inference_mode()
+def _generate(consumer: Any, tokenizer: Any, ids: list[int], cache: Any, max_new_tokens: int) -> list[int]:
+    """Greedy new tokens after ``ids``, from ``cache`` (holding all but the last prompt token) or from nothing."""
+    extra = {} if cache is None else {"cache": cache}
+    out = consumer.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, **extra)
+    return list(out[0, len(ids):].tolist())

@@ -10,6 +10,8 @@ Ignored: eviction policy in Redis (configure ``maxmemory-policy`` on the server)
 
 from __future__ import annotations
 
+import contextlib
+import re
 import threading
 from collections import OrderedDict
 from typing import Any, Protocol
@@ -23,9 +25,13 @@ class StoreError(KVStateError):
     """A payload store that cannot be opened or reached."""
 
 
-def store_key(pair: bytes, token_hash: bytes) -> str:
-    """The key of a payload: its model pair and the hash of its prefix's token ids."""
-    return f"{KEY_PREFIX}{pair.hex()}:{token_hash.hex()}"
+def store_key(pair: bytes, token_hash: bytes, variant: str = "") -> str:
+    """The key of a payload: its model pair, the hash of its prefix's token ids and, when given, the
+    encoding ``variant`` (methods that share a pair — raw / kv4bit, REUSE / SCD — must not share entries)."""
+    if variant and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", variant):
+        raise StoreError(f"store key variant {variant!r} must be 1..64 letters, digits, '_', '.' or '-'")
+    middle = f"{variant}:" if variant else ""
+    return f"{KEY_PREFIX}{pair.hex()}:{middle}{token_hash.hex()}"
 
 
 class PayloadStore(Protocol):
@@ -88,17 +94,20 @@ class RedisStore:
         try:
             data = self._client.get(key)
         except self._errors as exc:
-            raise StoreError(f"Redis store {self.url!r} failed on GET: {exc}") from None
+            raise StoreError(f"Redis store {self.url!r} failed on GET ({exc}); is redis-server still running? "
+                             "restart it, or serve with --store memory://") from None
         return None if data is None else bytes(data)
 
     def put(self, key: str, data: bytes) -> None:
         try:
             self._client.set(key, data, ex=self.ttl_s)
         except self._errors as exc:
-            raise StoreError(f"Redis store {self.url!r} failed on SET: {exc}") from None
+            raise StoreError(f"Redis store {self.url!r} failed on SET ({exc}); is redis-server still running? "
+                             "restart it, or serve with --store memory://") from None
 
     def close(self) -> None:
-        self._client.close()
+        with contextlib.suppress(*self._errors):
+            self._client.close()
 
 
 def open_store(url: str | None) -> PayloadStore:

@@ -10,9 +10,12 @@ Requests are bounded (bytes, JSON nesting, tokens: the smaller of ``ServerConfig
 service's own limit, the producer's positions), token ids are checked against the producer's vocabulary,
 every read and write has a timeout, the model runs one request at a time in a worker thread (so the
 token bound is also the bound on how long one request holds the model), and every bad request gets an
-error reply (``{"ok": false, "error": ...}``), never a dropped connection; a client that stalls or
-disconnects mid-frame only loses its own connection. Ignored: TLS, authentication, request multiplexing
-on one connection.
+error reply (``{"ok": false, "error": ..., "kind": ...}``), never a dropped connection; a client that stalls
+or disconnects mid-frame only loses its own connection. ``kind`` tells the client whose fault it was:
+``"request"`` (fix the request), ``"store"`` (the payload store failed, e.g. Redis went away mid-request)
+or ``"internal"``; the client raises :class:`ProducerUnavailable` for the last two and for a producer it
+cannot reach, so that a consumer can fall back to its own prefill. Ignored: TLS, authentication, request
+multiplexing on one connection.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.transfer.payload import Payload, ids_hash
-from kvstate.transfer.store import PayloadStore, store_key
+from kvstate.transfer.store import PayloadStore, StoreError, store_key
 from kvstate.validate import check_float, check_id_list, check_int
 
 _LEN = struct.Struct(">I")
@@ -38,6 +41,11 @@ _LEN = struct.Struct(">I")
 
 class TransportError(KVStateError):
     """The server cannot be reached, or it answered with an error or a malformed reply."""
+
+
+class ProducerUnavailable(TransportError):
+    """The producer cannot serve now (unreachable, connection lost, its store or model failed): a consumer
+    may prefill the prompt itself instead. A refused request or a pair mismatch is a plain TransportError."""
 
 
 @dataclass(frozen=True)
@@ -78,15 +86,17 @@ class ProducerService:
 
     def __init__(self, encode: Callable[[list[int]], Payload], pair: bytes, store: PayloadStore,
                  info: dict[str, Any] | None = None, *, vocab_size: int | None = None,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, variant: str = "") -> None:
         self._encode, self.pair, self.store, self.info = encode, pair, store, info or {}
         self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.variant = variant  # the encoding's name in store keys ("" for the codec's default)
+        store_key(pair, b"", variant)  # a bad variant fails here, not on the first request
         self._lock = threading.Lock()
         self.served = 0  # requests answered with a payload
         self.hits = 0  # of which came from the store
 
     def payload_bytes(self, ids: list[int]) -> tuple[bytes, bool]:
-        key = store_key(self.pair, ids_hash(ids))
+        key = store_key(self.pair, ids_hash(ids), self.variant)
         data = self.store.get(key)
         if data is not None:
             self.hits += 1
@@ -117,6 +127,10 @@ def parse_request(raw: bytes, service: ProducerService, cfg: ServerConfig) -> tu
     return "encode", ids
 
 
+def _error(message: str, kind: str) -> bytes:
+    return json.dumps({"ok": False, "error": message, "kind": kind}).encode()
+
+
 async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.StreamReader,
                   writer: asyncio.StreamWriter) -> None:
     loop = asyncio.get_running_loop()
@@ -127,7 +141,7 @@ async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.S
             except asyncio.IncompleteReadError:
                 return  # the client closed (between or inside a frame)
             except TransportError as exc:  # oversized: answer, then drop the connection (its rest is unread)
-                await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
+                await write_frame(writer, _error(str(exc), "request"), cfg.timeout_s)
                 return
             try:
                 op, ids = parse_request(raw, service, cfg)
@@ -139,14 +153,17 @@ async def _handle(service: ProducerService, cfg: ServerConfig, reader: asyncio.S
                 data, hit = await loop.run_in_executor(None, service.payload_bytes, ids)
                 head = {"ok": True, "bytes": len(data), "cached": hit,
                         "encode_ms": round(1e3 * (time.perf_counter() - t0), 3)}
+            except StoreError as exc:  # e.g. Redis went away mid-request: this request fails, the server lives on
+                await write_frame(writer, _error(str(exc), "store"), cfg.timeout_s)
+                continue
             except (ValueError, KVStateError) as exc:
-                await write_frame(writer, json.dumps({"ok": False, "error": str(exc)}).encode(), cfg.timeout_s)
+                await write_frame(writer, _error(str(exc), "request"), cfg.timeout_s)
                 continue
             except (ConnectionError, TimeoutError):
                 raise
-            except Exception as exc:  # a bug or a store failure: the client still gets a reply, the server lives on
+            except Exception as exc:  # a bug: the client still gets a reply, the server lives on
                 error = f"internal error: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                await write_frame(writer, json.dumps({"ok": False, "error": error}).encode(), cfg.timeout_s)
+                await write_frame(writer, _error(error, "internal"), cfg.timeout_s)
                 continue
             await write_frame(writer, json.dumps(head).encode(), cfg.timeout_s)
             await write_frame(writer, data, cfg.timeout_s)
@@ -229,25 +246,38 @@ async def _request(host: str, port: int, reqs: Sequence[dict[str, Any]], timeout
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (TimeoutError, OSError) as exc:
-        raise TransportError(f"cannot reach the producer at {host}:{port}: {exc or 'timed out'}; "
-                             "start one with `kvstate transfer serve`") from None
+        raise ProducerUnavailable(f"cannot reach the producer at {host}:{port}: {exc or 'timed out'}; "
+                                  "start one with `kvstate transfer serve`") from None
     out = []
     try:
         for req in reqs:
             await write_frame(writer, json.dumps(req).encode(), timeout)
             head = json.loads(await read_frame(reader, 1 << 20, timeout))
             if not isinstance(head, dict) or not head.get("ok"):
-                raise TransportError(f"producer at {host}:{port} refused {req.get('op')!r}: "
-                                     f"{head.get('error') if isinstance(head, dict) else head}")
+                failed = isinstance(head, dict) and head.get("kind") in ("store", "internal")
+                raise (ProducerUnavailable if failed else TransportError)(
+                    f"producer at {host}:{port} {'failed on' if failed else 'refused'} {req.get('op')!r}: "
+                    f"{head.get('error') if isinstance(head, dict) else head}")
             body = await read_frame(reader, max_payload, timeout) if req.get("op") == "encode" else None
             out.append((head, body))
-    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, json.JSONDecodeError) as exc:
-        raise TransportError(f"connection to the producer at {host}:{port} failed: {exc!r}") from None
+    except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
+        raise ProducerUnavailable(f"connection to the producer at {host}:{port} failed: {exc!r}") from None
+    except json.JSONDecodeError as exc:
+        raise TransportError(f"the producer at {host}:{port} sent a malformed reply ({exc}); is it a kvstate "
+                             "transfer server?") from None
     finally:
         writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await writer.wait_closed()
     return out
+
+
+def hello(server: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The producer's hello reply (its pair and models): whether it is up and what it serves."""
+    host, port = parse_address(server)
+    check_float("hello timeout", timeout, 0.0, 86400.0, lo_open=True, error=TransportError)
+    [(reply, _)] = asyncio.run(_request(host, port, [{"op": "hello"}], timeout, 0))
+    return reply
 
 
 def fetch_payload(server: str, ids: Sequence[int], pair: bytes | None = None, timeout: float = 60.0,

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import struct
-import subprocess
 import time
 
 import pytest
@@ -15,10 +13,19 @@ import torch
 from kvstate.models.tiny import tiny_model
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec
-from kvstate.transfer.serving import producer_service
+from kvstate.transfer.serving import Receiver, consumer_generate, producer_service
 from kvstate.transfer.states import continue_logits
 from kvstate.transfer.store import MemoryStore, RedisStore, StoreError, open_store, store_key
-from kvstate.transfer.transport import ServerConfig, ServerThread, TransportError, fetch_payload
+from kvstate.transfer.transport import (
+    ProducerService,
+    ProducerUnavailable,
+    ServerConfig,
+    ServerThread,
+    TransportError,
+    fetch_payload,
+    hello,
+)
+from tests.lib.prefix.redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
@@ -99,30 +106,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def redis_url():  # type: ignore[no-untyped-def]
-    """A real redis-server on a free loopback port (``make setup`` installs it); fails with the reason."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed: run `make setup` (apt-get install -y redis-server)")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        deadline = time.time() + 10
-        while True:
-            try:
-                RedisStore(url, timeout_s=0.5).close()
-                break
-            except StoreError as exc:
-                if proc.poll() is not None or time.time() > deadline:
-                    out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""  # type: ignore[union-attr]
-                    pytest.fail(f"redis-server did not start on port {port}: {exc} {out[-500:]}")
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def redis_url(redis_server: RedisServer) -> str:  # noqa: F811 (the shared fixture, by name)
+    return redis_server.url
 
 
 def test_redis_store_round_trip_with_a_real_server(redis_url: str, pair: tuple) -> None:
@@ -138,6 +123,80 @@ def test_redis_store_round_trip_with_a_real_server(redis_url: str, pair: tuple) 
     with ServerThread(producer_service(p, codec, open_store(redis_url))) as srv:  # a second producer
         second, h2 = fetch_payload(f"127.0.0.1:{srv.port}", list(range(16)), codec.pair)
     assert (h1["cached"], h2["cached"]) == (False, True) and first.to_bytes() == second.to_bytes()
+
+
+def test_redis_killed_mid_request_is_one_clear_error_and_the_server_serves_on(redis_server: RedisServer,  # noqa: F811
+                                                                               pair: tuple) -> None:
+    p, _, codec = pair
+
+    def encode_while_redis_dies(ids: list[int]):  # type: ignore[no-untyped-def]
+        redis_server.stop()  # Redis goes away after the lookup missed, before the payload is stored
+        return codec.encode(p, torch.tensor([ids]), check=False)
+
+    service = ProducerService(encode_while_redis_dies, codec.pair, RedisStore(redis_server.url, timeout_s=1.0))
+    with ServerThread(service, ServerConfig(timeout_s=10)) as srv:
+        addr = f"127.0.0.1:{srv.port}"
+        with pytest.raises(ProducerUnavailable, match=r"failed on 'encode'.*Redis store .* failed on SET"):
+            fetch_payload(addr, list(range(8)), codec.pair, timeout=20)
+        with pytest.raises(ProducerUnavailable, match=r"failed on GET .*redis-server still running"):
+            fetch_payload(addr, list(range(9)), codec.pair, timeout=20)  # Redis still down: the lookup fails
+        assert hello(addr)["pair"] == codec.pair.hex()  # the server lives on and answers other clients
+        redis_server.start()  # back on the same port: the same server serves from it again
+        service._encode = lambda ids: codec.encode(p, torch.tensor([ids]), check=False)
+        _, h1 = fetch_payload(addr, list(range(8)), codec.pair, timeout=20)
+        _, h2 = fetch_payload(addr, list(range(8)), codec.pair, timeout=20)
+    assert (h1["cached"], h2["cached"], service.served) == (False, True, 2)
+
+
+class _Tok:
+    """A tokenizer stand-in for the tiny models: one id per space-separated number."""
+
+    eos_token_id = 0
+
+    def __call__(self, text: str) -> dict:
+        return {"input_ids": [int(w) for w in text.split()]}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_consumer_falls_back_to_its_own_prefill_when_the_producer_is_unreachable(pair: tuple) -> None:
+    _, c, codec = pair
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening
+    prompt = " ".join(str(i) for i in range(3, 40))
+    gen = consumer_generate(c, _Tok(), codec, dead, prompt, max_new_tokens=4, timeout=5)
+    with torch.inference_mode():
+        own = c.generate(torch.tensor([list(range(3, 40))]), max_new_tokens=4, do_sample=False, eos_token_id=0,
+                         pad_token_id=0)[0, 37:].tolist()
+    assert gen.fallback is not None and "cannot reach the producer" in gen.fallback
+    assert "prefilled on the consumer instead" in gen.fallback
+    assert (gen.text, gen.payload_bytes, gen.cached) == (" ".join(map(str, own)), 0, False)
+    with pytest.raises(ProducerUnavailable, match="cannot reach"):
+        consumer_generate(c, _Tok(), codec, dead, prompt, max_new_tokens=4, timeout=5, fallback=False)
+
+
+def test_a_refused_request_is_not_hidden_by_the_fallback(pair: tuple) -> None:
+    p, c, codec = pair
+    other = Receiver(b"y" * 32, lambda payload, ids: None)  # a consumer whose codec is for another pair
+    with ServerThread(producer_service(p, codec, MemoryStore())) as srv:
+        with pytest.raises(TransportError, match="model pair") as err:
+            consumer_generate(c, _Tok(), other, f"127.0.0.1:{srv.port}", "3 4 5 6", max_new_tokens=1, timeout=10)
+        gen = consumer_generate(c, _Tok(), codec, f"127.0.0.1:{srv.port}", "3 4 5 6 7", max_new_tokens=2, timeout=10)
+    assert not isinstance(err.value, ProducerUnavailable)
+    assert gen.fallback is None and gen.payload_bytes > 0 and gen.new_tokens == 2
+
+
+def test_store_keys_keep_encodings_apart() -> None:
+    pair, h = b"p" * 32, b"h" * 32
+    keys = {store_key(pair, h), store_key(pair, h, "raw"), store_key(pair, h, "kv4bit")}
+    assert len(keys) == 3 and store_key(pair, h) == f"kvstate:payload:{pair.hex()}:{h.hex()}"
+    for bad in ("a:b", "x" * 65, "ü"):
+        with pytest.raises(StoreError, match="variant"):
+            store_key(pair, h, bad)
+    with pytest.raises(StoreError, match="variant"):
+        ProducerService(lambda ids: None, pair, MemoryStore(), variant="no spaces")  # type: ignore[arg-type,return-value]
 
 
 def test_unreachable_redis_and_unknown_store_raise() -> None:

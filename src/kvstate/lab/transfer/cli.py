@@ -114,11 +114,14 @@ def serve_command(
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", help="Tokens per request at most (bounds how long one request holds the model).")] = 8192,
+    method: Annotated[str, typer.Option("--method", help="What to ship: scd, reuse, or a baseline (raw, kv4bit, "
+                                        "droidspeak); the consumer passes the same --method.")] = "scd",
 ) -> None:
-    """Serve SCD payloads of prompt prefixes over TCP until interrupted."""
+    """Serve SCD (or baseline) payloads of prompt prefixes over TCP until interrupted."""
     import asyncio
 
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.transfer.methods import check_method, encoder
     from kvstate.transfer.codec import Codec
     from kvstate.transfer.serving import producer_service
     from kvstate.transfer.store import open_store
@@ -126,14 +129,16 @@ def serve_command(
 
     _threads(threads)
     config = ServerConfig(host=host, port=port, max_tokens=max_tokens)  # bad values fail before the model loads
+    check_method(method)
     codec = Codec.load(codec_dir)
     model, _ = load_reference(producer)
-    service = producer_service(model, codec, open_store(store))
+    pair, encode = encoder(method, model, codec)
+    service = producer_service(model, codec, open_store(store), encode, pair, variant=method)
 
     async def main() -> None:
         server = await start_server(service, config)
         bound = server.sockets[0].getsockname()
-        console.print(f"serving SCD payloads for pair {codec.pair.hex()[:12]}… on {bound[0]}:{bound[1]} "
+        console.print(f"serving {method} payloads for pair {pair.hex()[:12]}… on {bound[0]}:{bound[1]} "
                       f"(store {store}); Ctrl-C stops")
         async with server:
             await server.serve_forever()
@@ -154,27 +159,38 @@ def generate_command(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds per network step.")] = 60.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+    method: Annotated[str, typer.Option("--method", help="The producer's --method.")] = "scd",
+    fallback: Annotated[bool, typer.Option("--fallback/--no-fallback", help="Prefill on the consumer when the "
+                                           "producer is unreachable or its store failed (said on stderr).")] = True,
 ) -> None:
     """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
     from dataclasses import asdict
 
-    from kvstate.lab.cli_output import print_json
+    from kvstate.lab.cli_output import notes_console, print_json
     from kvstate.lab.harness import load_reference
+    from kvstate.lab.transfer.methods import check_method, receiver
     from kvstate.transfer.codec import Codec
     from kvstate.transfer.serving import consumer_generate
 
     _threads(threads)
+    check_method(method)
     limit = _positions(consumer)
     if not 1 <= max_new_tokens <= (limit or 1 << 20):
         raise KVStateError(f"--max-new-tokens {max_new_tokens} must be in 1..{limit or 1 << 20:,} (the consumer's "
                            "positions)")
     codec = Codec.load(codec_dir)
     model, tok = load_reference(consumer)
-    gen = consumer_generate(model, tok, codec, server, prompt, max_new_tokens, timeout)
+    gen = consumer_generate(model, tok, receiver(method, model, codec), server, prompt, max_new_tokens, timeout,
+                            fallback=fallback)
+    if gen.fallback is not None:
+        notes_console().print(f"[yellow]no payload: {gen.fallback}[/]")
     if as_json:
         print_json(asdict(gen))
         return
     console.print(gen.text)
+    if gen.fallback is not None:
+        console.print(f"[dim]{gen.prompt_tokens} prompt tokens prefilled on the consumer, {gen.generate_ms:.1f} ms[/]")
+        return
     console.print(f"[dim]{gen.prompt_tokens} prompt tokens, payload {gen.payload_bytes:,} B "
                   f"({'store' if gen.cached else 'encoded'}), wire {gen.wire_ms:.1f} ms, decode {gen.decode_ms:.1f} ms, "
                   f"generate {gen.generate_ms:.1f} ms[/]")

@@ -1,0 +1,95 @@
+"""Benchmark: time to first token of cross-model state transfer, measured end to end over a shaped link.
+
+Producer (``kvstate transfer serve --method M``, one process per method) and consumer (this run's child
+process) talk over loopback inside a private network namespace whose ``lo`` the kernel rate-limits
+(``tc qdisc ... tbf``) at each ``--rate``; the rate a bulk transfer actually achieves is reported next to
+it. Per prompt length, ``--repeats`` prompts, interleaved: cold (producer prefill + encode + wire +
+consumer decode + first token), warm (the payload already in the Redis store) and the oracle (the
+consumer's own prefill + first token). See :mod:`kvstate.lab.transfer.ttft`. Where namespaces are not
+permitted (not root), the shaped rates are listed under ``skipped`` with the reason; ``--unshaped`` adds
+plain loopback, measured in this namespace.
+
+Prints a table on stderr, then one JSON line on stdout; ``--out FILE`` appends the run with its provenance
+(rows keyed by method and length, the shape of ``kvstate transfer bench --json`` rows).
+Usage: ``python benchmarks/transfer_ttft.py [--producer models/ref-attn] [--consumer models/ref-attn-ft]
+[--codec models/codec-ref-attn-ft] [--rate 0.1,1,10 | none] [--length 1K,4K,8K] [--repeats 5]
+[--methods raw,kv4bit,droidspeak,reuse,scd] [--unshaped] [--out FILE [--overwrite]]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstate.lab.cli_output import check_results_out, write_results
+from kvstate.lab.lists import parse_floats, parse_ints, parse_names
+from kvstate.lab.provenance import Recorder
+from kvstate.lab.transfer.methods import served_methods
+from kvstate.lab.transfer.ttft import TTFTConfig, run_ttft
+
+# the source the measurement depends on
+CODE = ("transfer", "models", "lab/netns.py", "lab/transfer/ttft.py", "lab/transfer/methods.py",
+        "lab/transfer/baselines.py", "lab/transfer/bench.py", "lab/transfer/cli.py")
+
+
+def table(result: dict) -> Table:  # type: ignore[type-arg]
+    keys = [*result["links"]]
+    t = Table(title="time to first token, ms (median cold / warm; oracle: own prefill)")
+    for col in ("method", "length", "B/token", *(f"{k} Gbit/s" if k != "loopback" else k for k in keys), "agrees"):
+        t.add_column(col, justify="right")
+    for r in result["rows"]:
+        cells = []
+        for k in keys:
+            c = r["ttft_ms"][k]
+            cells.append(f"{c['cold']:.1f}" if r["method"] == "oracle" else f"{c['cold']:.1f} / {c['warm']:.1f}")
+        t.add_row(r["method"], str(r["length"]), f"{r.get('payload_bytes_per_token', 0):.1f}", *cells,
+                  f"{r['first_token_agrees']:.2f}" if "first_token_agrees" in r else "")
+    t.caption = "; ".join(f"{k}: {'unshaped' if v['rate_gbit'] is None else 'set ' + str(v['rate_gbit'])}, achieved "
+                          f"{v['achieved_gbit_s']:.3f} Gbit/s" for k, v in result["links"].items())
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--producer", type=Path, default=Path("models/ref-attn"))
+    ap.add_argument("--consumer", type=Path, default=Path("models/ref-attn-ft"))
+    ap.add_argument("--codec", type=Path, default=Path("models/codec-ref-attn-ft"))
+    ap.add_argument("--rate", default="0.1,1,10", help="shaped link rates, Gbit/s, comma-separated ('none': only "
+                    "--unshaped)")
+    ap.add_argument("--length", default="1K,4K,8K", help="prompt tokens, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--methods", default=",".join(served_methods()))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unshaped", action="store_true", help="also measure plain loopback (no namespace)")
+    ap.add_argument("--out", type=Path, default=None, help="append the run, with its provenance, to this file")
+    ap.add_argument("--overwrite", action="store_true", help="start the --out file afresh")
+    args = ap.parse_args(argv)
+    rates = () if args.rate == "none" else tuple(parse_floats(args.rate, "--rate", lo=0.0, lo_open=True,
+                                                               example="0.1,1,10"))
+    cfg = TTFTConfig(rates_gbit=rates, lengths=tuple(parse_ints(args.length, "--length", lo=2, example="1K,4K")),
+                     repeats=args.repeats, methods=tuple(parse_names(args.methods, "--methods", served_methods())),
+                     seed=args.seed, unshaped=args.unshaped)
+    if args.out is not None:
+        check_results_out(args.out, overwrite=args.overwrite)
+    rec = Recorder(code=CODE, models=[args.producer, args.consumer, args.codec], n=cfg.repeats, seeds=[cfg.seed],
+                   lengths=cfg.lengths, settings={"rates_gbit": list(cfg.rates_gbit), "methods": list(cfg.method_list),
+                                                  "unshaped": cfg.unshaped, "threads": 1})
+    err = Console(stderr=True)
+    result = run_ttft(cfg, args.producer, args.consumer, args.codec, log=lambda s: err.print(f"[dim]{s}[/]"))
+    prov = rec.finish()
+    if args.out is not None:
+        write_results(args.out, result, prov, overwrite=args.overwrite)
+    for key, why in result["skipped"].items():
+        err.print(f"[yellow]rate {key} Gbit/s skipped: {why}[/]")
+    if result["rows"]:
+        err.print(table(result))
+    sys.stdout.write(json.dumps({"benchmark": "transfer_ttft", **result, "provenance": prov}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""TTFT measured end to end: serve / consumer processes over a shaped loopback, the skip where not permitted,
+and ``kvstate transfer serve / generate --method`` with the consumer's fallback."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kvstate.cli import app
+from kvstate.errors import KVStateError
+from kvstate.lab.netns import LinkError, namespace_support
+from kvstate.lab.transfer import ttft
+from kvstate.lab.transfer.ttft import TTFTConfig, run_ttft
+from kvstate.lab.workloads.tokenizer import build_tokenizer
+from kvstate.models.tiny import tiny_model
+from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("ttft")
+    tok = build_tokenizer()
+    models = []
+    for name, seed in (("producer", 0), ("consumer", 1)):
+        m = tiny_model("qwen3", seed=seed, vocab_size=len(tok), max_position_embeddings=4096)
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        models.append(m)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tok), (1, 32), generator=g) for _ in range(4)]
+    cfg = CalibrationConfig(rank_k=4, rank_v=4, rank_h=16, patch=1, prefixes=4, length=32, suffix=4, aligner_steps=5)
+    calibrate_on(models[0], models[1], prompts, cfg).save(root / "codec")
+    torch.set_num_threads(before)
+    return root / "producer", root / "consumer", root / "codec"
+
+
+def test_serve_and_consumer_in_a_shaped_namespace(dirs: tuple[Path, Path, Path]) -> None:
+    why = namespace_support()
+    if why is not None:
+        pytest.skip(why)
+    p, c, codec = dirs
+    cfg = TTFTConfig(rates_gbit=(0.1,), lengths=(2048,), repeats=1, methods=("raw",), bulk_s=0.3)
+    out = run_ttft(cfg, p, c, codec)
+    assert out["skipped"] == {} and set(out["links"]) == {"0.1"}
+    assert 0.08 <= out["links"]["0.1"]["achieved_gbit_s"] <= 0.12  # within 20% of the set rate
+    rows = {r["method"]: r for r in out["rows"]}
+    assert set(rows) == {"oracle", "raw"} and all(r["length"] == 2048 and r["n"] == 1 for r in rows.values())
+    raw = rows["raw"]
+    assert raw["payload_bytes"] > 4 * (128 << 10)  # well beyond the token bucket's burst
+    # the payload crossed the shaped link: no faster than the rate allows beyond the burst
+    floor_ms = (raw["payload_bytes"] - (128 << 10)) * 8 / 0.1e9 * 1e3
+    assert raw["parts_ms"]["0.1"]["warm"]["fetch"] >= 0.8 * floor_ms
+    assert raw["ttft_ms"]["0.1"]["cold"] >= raw["parts_ms"]["0.1"]["cold"]["producer"] > 0
+    assert rows["oracle"]["ttft_ms"]["0.1"]["cold"] == rows["oracle"]["ttft_ms"]["0.1"]["warm"] > 0
+    assert "Redis" in out["links"]["0.1"]["store"]
+
+
+def test_without_namespaces_the_shaped_rates_are_skipped_not_estimated(dirs: tuple[Path, Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ttft, "namespace_support", lambda: "not permitted here (needs root)")
+    monkeypatch.setattr(ttft, "run_link", lambda *a, **k: pytest.fail("no link may be measured"))
+    out = run_ttft(TTFTConfig(rates_gbit=(0.1, 1.0), lengths=(64,), repeats=1), *dirs)
+    assert out["rows"] == [] and out["links"] == {}
+    assert out["skipped"] == {"0.1": "not permitted here (needs root)", "1": "not permitted here (needs root)"}
+
+
+def test_bad_ttft_settings_raise_one_clear_error(dirs: tuple[Path, Path, Path]) -> None:
+    with pytest.raises(LinkError, match="--rate"):
+        TTFTConfig(rates_gbit=(500.0,))
+    with pytest.raises(KVStateError, match="no link"):
+        TTFTConfig(rates_gbit=())
+    with pytest.raises(KVStateError, match="--method 'zip'"):
+        TTFTConfig(methods=("zip",))
+    with pytest.raises(KVStateError, match=r"--length 8,192 exceeds the models' max_position_embeddings=4,096"):
+        run_ttft(TTFTConfig(rates_gbit=(1.0,), lengths=(8192,)), *dirs)
+
+
+def test_generate_falls_back_and_says_so_when_the_producer_is_down(dirs: tuple[Path, Path, Path]) -> None:
+    _, c, codec = dirs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec), "--server", f"127.0.0.1:{port}",
+            "--prompt", "the cat sat on the mat", "--max-new-tokens", "2", "--method", "kv4bit", "--timeout", "5"]
+    res = CliRunner().invoke(app, [*args, "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output[res.output.rindex('{"text"'):])
+    assert "cannot reach the producer" in out["fallback"] and out["payload_bytes"] == 0 and out["new_tokens"] >= 1
+    strict = CliRunner().invoke(app, [*args, "--no-fallback"])
+    assert strict.exit_code != 0 and "cannot reach the producer" in str(strict.exception)
+    bad = CliRunner().invoke(app, [*args[:-4], "--method", "zip"])
+    assert isinstance(bad.exception, KVStateError) and "--method 'zip'" in str(bad.exception)
