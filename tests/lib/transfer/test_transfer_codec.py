@@ -144,14 +144,22 @@ def test_mismatched_pair_and_bad_config_raise(producer: torch.nn.Module, self_co
         CodecConfig(4, 4, 4, (7,)).check(codec.geometry)
 
 
-def test_truncated_codec_is_the_lower_rank_fit(pair: tuple) -> None:
+@pytest.mark.parametrize("reuse_map", ["regress", "joint"])
+def test_truncated_codec_is_the_lower_rank_fit(pair: tuple, reuse_map: str) -> None:
+    """Regression: the truncation is the lower-rank fit. Joint: the same principal code (encoder), decoded by
+    the larger fit's orthogonal rows (still a scaled orthogonal map, not a refit)."""
     p, c, _ = pair
-    kw = {"rank_h": 8, "bits": 32, "prefixes": 4, "length": 48, "suffix": 8, "aligner_steps": 0, "patch": 0}
+    kw = {"rank_h": 8, "bits": 32, "prefixes": 4, "length": 48, "suffix": 8, "aligner_steps": 0, "patch": 0,
+          "reuse_map": reuse_map}
     big = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=8, rank_v=12, **kw))
     small = calibrate_on(p, c, _prompts(4), CalibrationConfig(rank_k=3, rank_v=5, **kw))
     cut = big.truncated(3, 5)
-    for name in ("k.1.enc", "k.1.dec", "v.0.enc", "v.0.dec"):
-        assert torch.allclose(cut.tensors[name], small.tensors[name], atol=1e-4)
+    for name in ("k.1.enc", "v.0.enc") if reuse_map == "joint" else ("k.1.enc", "k.1.dec", "v.0.enc", "v.0.dec"):
+        assert torch.allclose(cut.tensors[name].abs(), small.tensors[name].abs(), atol=1e-4)  # SVD signs
+    if reuse_map == "joint":
+        dec = cut.tensors["v.0.dec"][0]  # (5, D): rows orthogonal with one common norm
+        gram = dec @ dec.T
+        assert torch.allclose(gram, gram[0, 0] * torch.eye(5), atol=1e-4 * float(gram[0, 0]))
     with pytest.raises(CodecError, match="ranks"):
         big.truncated(9, 1)
 
@@ -242,3 +250,43 @@ def test_kv4bit_is_lossy_but_close(producer: torch.nn.Module) -> None:
     assert 0 < float((k4 - kr).abs().max()) < 0.25 * float(kr.abs().max())
     with pytest.raises(PayloadError, match="model pair"):
         decode_baseline(producer, pl, raw_pair("a", "c"))
+
+
+def _related_consumer(producer: torch.nn.Module, key_scale: float = 1.6) -> tuple[torch.nn.Module, list]:
+    """A consumer computing the same function whose keys are ``key_scale`` x the producer's and whose values
+    are the producer's rotated per KV head (q_norm / o_proj compensate): a known linear relation per head."""
+    c = tiny_model("qwen3", seed=0)
+    c.load_state_dict(producer.state_dict())
+    g = torch.Generator().manual_seed(3)
+    rots = []
+    with torch.no_grad():
+        for layer in c.model.layers:
+            a = layer.self_attn
+            a.k_norm.weight.mul_(key_scale)
+            a.q_norm.weight.div_(key_scale)
+            heads, kv = c.config.num_attention_heads, c.config.num_key_value_heads
+            r = [torch.linalg.qr(torch.randn(HEAD_DIM, HEAD_DIM, generator=g))[0] for _ in range(kv)]
+            w = a.v_proj.weight.view(kv, HEAD_DIM, -1)  # v = W h per head: v' = R v
+            a.v_proj.weight.copy_(torch.stack([r[h] @ w[h] for h in range(kv)]).view_as(a.v_proj.weight))
+            o = a.o_proj.weight.view(-1, heads, HEAD_DIM)  # o reads v' through R^T
+            o.copy_(torch.stack([o[:, q] @ r[q // (heads // kv)].T for q in range(heads)], 1))
+            rots.append(r)
+    return c, rots
+
+
+def test_joint_reuse_maps_a_known_linear_relation_exactly_at_full_rank(producer: torch.nn.Module) -> None:
+    consumer, rots = _related_consumer(producer)
+    ids = _prompts(1, 40, seed=11)[0]
+    ps, cs = prefill_states(producer, ids), prefill_states(consumer, ids)
+    assert torch.allclose(cs.logits, ps.logits, atol=1e-4)  # same function, other K/V
+    assert torch.allclose(cs.v[0][:, 1], ps.v[0][:, 1] @ rots[0][1].T, atol=1e-5)
+    assert not torch.allclose(cs.v[0], ps.v[0], atol=1e-2)
+    cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=HIDDEN, bits=32, prefixes=8, length=48,
+                            suffix=8, aligner_steps=5, aligner_hidden=8, patch=0)
+    codec = calibrate_on(producer, consumer, _prompts(), cfg)
+    keys, values = codec.decode_layers(consumer, codec.encode(producer, ids[:, :-1]))
+    for i in range(LAYERS):
+        assert torch.allclose(keys[i], cs.k[i][:-1], atol=1e-4) and torch.allclose(values[i], cs.v[i][:-1], atol=1e-4)
+    regress = calibrate_on(producer, consumer, _prompts(), CalibrationConfig(**{**cfg.__dict__, "reuse_map": "pca"}))
+    _, pv = regress.decode_layers(consumer, regress.encode(producer, ids[:, :-1]))
+    assert not torch.allclose(pv[0], cs.v[0][:-1], atol=1e-2)  # the producer-space ablation ships the producer's V

@@ -58,8 +58,9 @@ def calibrate_command(
     rank_h: Annotated[int, typer.Option("--rank-h", help="H_in code channels per PATCH layer.")] = 64,
     patch: Annotated[str, typer.Option("--patch", help="PATCH layers: 'auto' or a count k.")] = "auto",
     bits: Annotated[int, typer.Option("--bits", help="Code precision on the wire: 8, 4, 16 or 32.")] = 8,
-    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'regress' (producer -> consumer) or "
-                                           "'pca' (the producer's principal subspace).")] = "regress",
+    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'joint' (producer principal code, "
+                                           "orthogonal decoder into the consumer); ablations 'regress' (reduced-rank "
+                                           "regression) and 'pca' (the producer's own subspace).")] = "joint",
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the calibration prefixes.")] = 7919,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
