@@ -305,3 +305,20 @@ def test_joint_reuse_maps_a_known_linear_relation_exactly_at_full_rank(producer:
     regress = calibrate_on(producer, consumer, _prompts(), CalibrationConfig(**{**cfg.__dict__, "reuse_map": "pca"}))
     _, pv = regress.decode_layers(consumer, regress.encode(producer, ids[:, :-1]))
     assert not torch.allclose(pv[0], cs.v[0][:-1], atol=1e-2)  # the producer-space ablation ships the producer's V
+
+
+def test_patch_at_every_layer_equals_another_consumers_own_prefill_on_logits(producer: torch.nn.Module) -> None:
+    """A consumer with other K/V (but the same H_in): PATCH rebuilds its K/V with its own projections, so its
+    logits after the patched cache equal its own prefill's, while raw producer K/V do not."""
+    consumer, _ = _related_consumer(producer)
+    ids = _prompts(1, 40, seed=12)[0]
+    oracle = prefill_states(consumer, ids).logits[30:]
+    cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=HIDDEN, bits=32, prefixes=8, length=48,
+                            suffix=8, aligner_steps=20, aligner_hidden=16, patch=LAYERS)
+    codec = calibrate_on(producer, consumer, _prompts(), cfg)
+    assert codec.config.patch_layers == tuple(range(LAYERS))
+    got = continue_logits(consumer, codec.decode(consumer, codec.encode(producer, ids[:, :30]), ids[0].tolist()), ids, 30)
+    assert torch.allclose(got, oracle, atol=1e-3, rtol=1e-3)
+    ps = prefill_states(producer, ids[:, :30])
+    raw = continue_logits(consumer, build_cache(consumer, ps.k, ps.v), ids, 30)
+    assert not torch.allclose(raw, oracle, atol=1e-2)
