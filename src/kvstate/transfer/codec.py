@@ -159,8 +159,9 @@ class Codec:
             if model is None:
                 continue
             if geometry(model) != self.geometry or model_fingerprint(model) != fp:
-                raise CodecError(f"this codec was calibrated for another {role} (fingerprint {fp[:12]}…); "
-                                 f"calibrate one for this pair with `kvstate transfer calibrate`")
+                raise CodecError(f"this codec was calibrated for another {role} (fingerprint {fp[:12]}…), or the "
+                                 f"{role}'s weights changed since calibration; calibrate one for this pair with "
+                                 "`kvstate transfer calibrate`")
 
     def modes(self, patch: Sequence[int] | None) -> str:
         layers = self.config.patch_layers if patch is None else tuple(patch)

@@ -322,3 +322,15 @@ def test_patch_at_every_layer_equals_another_consumers_own_prefill_on_logits(pro
     ps = prefill_states(producer, ids[:, :30])
     raw = continue_logits(consumer, build_cache(consumer, ps.k, ps.v), ids, 30)
     assert not torch.allclose(raw, oracle, atol=1e-2)
+
+
+def test_a_consumer_changed_since_calibration_is_one_clear_error(pair: tuple) -> None:
+    p, _, codec = pair
+    changed = _perturbed(0.3)
+    ids = _prompts(1, 20, seed=14)[0]
+    payload = codec.encode(p, ids)
+    codec.decode(changed, payload)  # the same weights: accepted
+    with torch.no_grad():
+        changed.model.layers[0].mlp.down_proj.weight[0, 0] += 1e-3  # one weight moved after calibration
+    with pytest.raises(CodecError, match="consumer's weights changed since calibration"):
+        codec.decode(changed, payload)
