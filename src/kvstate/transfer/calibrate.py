@@ -3,7 +3,8 @@
 *Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching*
 (``docs/techniques.md#across-models``). Every calibration prefix runs through both models; per layer
 and KV head a joint low-rank decomposition of producer and consumer keys (pre-rotary) and values
-(:func:`kvstate.transfer.lowrank.fit_low_rank`, separate ranks) gives the REUSE encoder / decoder; per
+(:func:`kvstate.transfer.lowrank.fit_joint`, separate ranks: the producer's principal code, decoded
+by a scaled orthogonal map into the consumer's space) gives the REUSE encoder / decoder; per
 layer the same for the normalised pre-attention input ``H_in`` plus a small MLP trained on the linear
 map's residual gives the PATCH aligner. On held-out prefixes it then measures, per layer, the raw K/V
 drift, the REUSE error, and the error *amplification*: the consumer's next-token KL divergence when
@@ -23,10 +24,18 @@ import torch
 
 from kvstate.models.fingerprint import model_fingerprint
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
-from kvstate.transfer.lowrank import fit_low_rank, fit_pca, relative_error, select_patch_layers
+from kvstate.transfer.lowrank import (
+    LowRankMap,
+    fit_joint,
+    fit_low_rank,
+    fit_pca,
+    relative_error,
+    select_patch_layers,
+)
 from kvstate.transfer.states import build_cache, continue_logits, geometry, prefill_states
 from kvstate.validate import check_float, check_int, check_token_ids
 
+REUSE_MAPS = ("joint", "regress", "pca")
 CALIBRATION_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "qa", "vt", "text")
 
 
@@ -46,10 +55,10 @@ class CalibrationConfig:
     aligner_steps: int = 300
     aligner_lr: float = 3e-3
     ridge: float = 1e-6
-    # REUSE maps: "regress" = reduced-rank regression producer -> consumer; "pca" = the producer's principal
-    # subspace decoded back into its own space (measured here: the regression, even at full rank and fp32,
-    # blurs the rare-token keys / values that needle retrieval reads; the PCA code keeps them)
-    reuse_map: str = "regress"
+    # REUSE maps: "joint" = producer principal code + orthogonal (Procrustes) decoder into the consumer;
+    # ablations: "regress" = reduced-rank regression (stretches directions: loses multi-key retrieval);
+    # "pca" = the producer's principal subspace decoded back into its own space (no cross-model map)
+    reuse_map: str = "joint"
 
     def __post_init__(self) -> None:
         def i(name: str, lo: int, hi: int, hint: str = "") -> None:
@@ -67,9 +76,18 @@ class CalibrationConfig:
         check_float("CalibrationConfig.ridge", self.ridge, 0.0, error=CodecError)
         if not isinstance(self.tasks, tuple) or not self.tasks or len(set(self.tasks)) != len(self.tasks):
             raise CodecError(f"CalibrationConfig.tasks={self.tasks!r} must be a non-empty tuple without repeats")
-        if self.reuse_map not in ("regress", "pca"):
-            raise CodecError(f"CalibrationConfig.reuse_map={self.reuse_map!r} must be 'regress' or 'pca'")
+        if self.reuse_map not in REUSE_MAPS:
+            raise CodecError(f"CalibrationConfig.reuse_map={self.reuse_map!r} must be one of {REUSE_MAPS}")
         CodecConfig(self.rank_k, self.rank_v, self.rank_h, (), self.bits)
+
+
+def _fit_map(cfg: CalibrationConfig, x: np.ndarray, y: np.ndarray, rank: int) -> LowRankMap:
+    """One KV head's REUSE map of the kind ``cfg.reuse_map`` names."""
+    if cfg.reuse_map == "joint":
+        return fit_joint(x, y, rank)
+    if cfg.reuse_map == "regress":
+        return fit_low_rank(x, y, rank, cfg.ridge)
+    return fit_pca(x, rank)
 
 
 def _train_aligner(z: torch.Tensor, resid: torch.Tensor, cfg: CalibrationConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -146,8 +164,7 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
     for i in range(g.n_layers):
         for name, rank in (("k", cfg.rank_k), ("v", cfg.rank_v)):
             xp, xc = torch.cat(acc[name + "p"][i]).numpy(), torch.cat(acc[name + "c"][i]).numpy()  # (N, H, D)
-            maps = [fit_low_rank(xp[:, h], xc[:, h], rank, cfg.ridge) if cfg.reuse_map == "regress"
-                    else fit_pca(xp[:, h], rank) for h in range(g.n_kv_heads)]
+            maps = [_fit_map(cfg, xp[:, h], xc[:, h], rank) for h in range(g.n_kv_heads)]
             for part in ("encoder", "decoder", "mean_in", "mean_out"):
                 key = {"encoder": "enc", "decoder": "dec", "mean_in": "mu_in", "mean_out": "mu_out"}[part]
                 t[f"{name}.{i}.{key}"] = torch.from_numpy(np.stack([getattr(m, part) for m in maps]))

@@ -5,7 +5,8 @@
 turns every layer into a compact code: REUSE layers send low-rank codes of their keys (pre-rotary)
 and values, per KV head; PATCH layers send a low-rank code of the normalised pre-attention input
 ``H_in``. ``Codec.decode(consumer, payload)`` rebuilds the consumer's cache: REUSE codes go through
-the layer's linear decoders into the consumer's K/V space; PATCH codes go through a small MLP aligner
+the layer's linear decoders into the consumer's K/V space (calibrated as a joint decomposition:
+the producer's principal code, a scaled orthogonal decoder per KV head); PATCH codes go through a small MLP aligner
 into the consumer's ``H_in`` and the consumer regenerates K/V with its own ``k_proj`` / ``k_norm`` /
 ``v_proj`` and rotary positions. The consumer then decodes normally (``model.generate`` continues the
 returned ``DynamicCache``). Codes travel as int8 / int4 with per-channel scales (or fp16 / fp32).
@@ -158,8 +159,9 @@ class Codec:
             if model is None:
                 continue
             if geometry(model) != self.geometry or model_fingerprint(model) != fp:
-                raise CodecError(f"this codec was calibrated for another {role} (fingerprint {fp[:12]}…); "
-                                 f"calibrate one for this pair with `kvstate transfer calibrate`")
+                raise CodecError(f"this codec was calibrated for another {role} (fingerprint {fp[:12]}…), or the "
+                                 f"{role}'s weights changed since calibration; calibrate one for this pair with "
+                                 "`kvstate transfer calibrate`")
 
     def modes(self, patch: Sequence[int] | None) -> str:
         layers = self.config.patch_layers if patch is None else tuple(patch)
@@ -169,7 +171,8 @@ class Codec:
 
     def truncated(self, rank_k: int, rank_v: int) -> Codec:
         """The codec with the first ``rank_k`` / ``rank_v`` REUSE code channels (the fits order channels by
-        importance, so this is the lower-rank fit); a new pair fingerprint."""
+        importance: for ``regress`` maps this is the lower-rank fit; for ``joint`` maps the same principal code
+        decoded by the larger fit's orthogonal rows, not a refit); a new pair fingerprint."""
         if not (1 <= rank_k <= self.config.rank_k and 1 <= rank_v <= self.config.rank_v):
             raise CodecError(f"truncated: ranks ({rank_k}, {rank_v}) must be in [1, ({self.config.rank_k}, "
                              f"{self.config.rank_v})]")

@@ -3,14 +3,23 @@
 The REUSE half of *Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective
 Patching* (see ``docs/techniques.md#across-models``): from paired states ``X`` (producer) and ``Y``
 (consumer) of the same tokens, a rank-``r`` linear encoder ``E`` (producer side) and decoder ``D``
-(consumer side) with ``Y ≈ (X - μx) E D + μy``. The fit is reduced-rank regression: the ridge
-least-squares map ``W`` from ``X`` to ``Y``, truncated to the top-``r`` right singular directions of the
-fitted ``X W`` — the rank-``r`` map with the smallest squared error on the calibration set, which is
-the joint decomposition of both models' states. At full rank it is ``W`` itself (the identity when
-both models are the same). :func:`fit_pca` is the regression-free alternative: the producer's own
-principal subspace, decoded back into the producer's space. The code channels are ordered, so a rank-``r`` map is the first ``r``
-channels of any larger one (:func:`truncate`). Ignored: weighting tokens, non-linear encoders (the PATCH aligner is the
-non-linear part).
+(consumer side) with ``Y ≈ (X - μx) E D + μy``.
+
+:func:`fit_joint` (the default) is a joint decomposition that keeps the geometry of the states: the
+code is the producer's top-``r`` principal coordinates, and the consumer's decoder is the scaled
+orthogonal map (orthogonal Procrustes) that best carries that code onto the consumer's states. Inner
+products between tokens survive up to one scale, so the ranking of keys under a query is kept. At full
+rank it recovers any similarity relation ``Y = s X R + b`` (``R`` orthogonal) exactly. Measured on the
+committed pair (see the docs): the reduced-rank regression :func:`fit_low_rank` — least squares, free
+to stretch and shrink directions — halves the average key error yet flattens the retrieval head's
+attention on the asked needle, and multi-key retrieval collapses; the orthogonal decoder keeps it.
+
+:func:`fit_low_rank` (reduced-rank regression, the ``regress`` ablation) and :func:`fit_pca` (the
+producer's own principal subspace decoded back into the producer's space: no cross-model map, the
+``pca`` ablation) remain. Code channels are ordered by the producer's variance, so the first ``r``
+channels of a map are a rank-``r`` map (:func:`truncate`; for :func:`fit_joint` its decoder rows are
+the larger fit's, not a refit). Ignored: weighting tokens, non-linear encoders (the PATCH aligner is
+the non-linear part).
 """
 
 from __future__ import annotations
@@ -68,6 +77,27 @@ def fit_low_rank(x: npt.ArrayLike, y: npt.ArrayLike, rank: int, ridge: float = 1
     vr = np.linalg.svd(xc @ w, full_matrices=False)[2][:rank].T
     enc, dec = w @ vr, vr.T
     return LowRankMap(enc.astype(np.float32), dec.astype(np.float32), mx.astype(np.float32), my.astype(np.float32))
+
+
+def fit_joint(x: npt.ArrayLike, y: npt.ArrayLike, rank: int) -> LowRankMap:
+    """Joint rank-``rank`` map from ``x`` (N, d_in) to ``y`` (N, d_out): encoder = ``x``'s top principal
+    directions, decoder = ``s * Q`` with orthonormal rows ``Q`` (orthogonal Procrustes of the code onto ``y``)."""
+    xa = np.asarray(x, dtype=np.float64)
+    ya = np.asarray(y, dtype=np.float64)
+    if xa.ndim != 2 or ya.ndim != 2 or xa.shape[0] != ya.shape[0] or xa.shape[0] < 2:
+        raise ValueError(f"fit_joint: x {xa.shape} and y {ya.shape} must be (N >= 2, d) arrays with the same N")
+    if not 1 <= rank <= min(xa.shape[1], ya.shape[1]):
+        raise ValueError(f"fit_joint: rank={rank} must be in [1, {min(xa.shape[1], ya.shape[1])}] "
+                         "(the smaller state width)")
+    mx, my = xa.mean(0), ya.mean(0)
+    xc, yc = xa - mx, ya - my
+    enc = np.linalg.svd(xc, full_matrices=False)[2][:rank].T  # (d_in, r): the producer's principal directions
+    z = xc @ enc  # (N, r)
+    a, sv, bt = np.linalg.svd(z.T @ yc, full_matrices=False)  # (r, r), (r,), (r, d_out)
+    q = a @ bt  # (r, d_out), orthonormal rows: the rotation that best carries the code onto y
+    scale = float(sv.sum()) / max(float((z * z).sum()), 1e-300)
+    return LowRankMap(enc.astype(np.float32), (scale * q).astype(np.float32), mx.astype(np.float32),
+                      my.astype(np.float32))
 
 
 def fit_pca(x: npt.ArrayLike, rank: int) -> LowRankMap:

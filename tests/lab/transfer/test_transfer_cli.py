@@ -51,19 +51,31 @@ def test_calibrate_writes_a_codec_with_its_manifest(codec_dir: Path) -> None:
 
 def test_bench_prints_the_json_shape(pair_dirs: tuple[Path, Path], codec_dir: Path, tmp_path: Path) -> None:
     p, c = pair_dirs
+    pca = tmp_path / "pca"
+    res = CliRunner().invoke(app, ["transfer", "calibrate", "--producer", str(p), "--consumer", str(c), "--out", str(pca),
+                                   "--prefixes", "4", "--length", "96", "--rank-k", "4", "--rank-v", "8",
+                                   "--rank-h", "16", "--patch", "0", "--reuse-map", "pca"])
+    assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec",
-                                   str(codec_dir), "--n", "1", "--length", "256", "--ppl-n", "1", "--weak-n", "0",
-                                   "--ablation-n", "1", "--json", "--out", str(tmp_path / "b.json")])
+                                   str(codec_dir), "--n", "1", "--length", "256,320", "--ppl-n", "1", "--weak-n", "0",
+                                   "--ablation-n", "1", "--pca-codec", str(pca), "--json", "--out", str(tmp_path / "b.json")])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
-    assert [r["method"] for r in out["results"]] == ["oracle", "raw", "kv4bit", "droidspeak", "reuse", "scd"]
+    methods = ["oracle", "raw", "raw_fp32", "kivi4", "kivi2", "droidspeak", "reuse_pca_producer", "reuse", "scd",
+               "scd_k1", "scd_k2"]
+    assert [(r["method"], r["length"]) for r in out["results"]] == [(m, n) for m in methods for n in (256, 320)]
     for r in out["results"]:
-        assert set(r) >= {"method", "score", "f1", "ppl", "payload_bytes_per_token", "consumer_ms", "ttft_ms"}
-        assert set(r["ttft_ms"]) == {"1", "10", "100"} and r["ppl"] > 1
-    by = {r["method"]: r for r in out["results"]}
-    assert by["raw"]["payload_bytes_per_token"] > 4 * by["kv4bit"]["payload_bytes_per_token"] / 1.2  # fp16 vs 4-bit
-    assert by["scd"]["payload_bytes_per_token"] < by["raw"]["payload_bytes_per_token"]
-    assert [a["k"] for a in out["ablation_patch"]] == [0, 1, 2]
+        assert set(r) >= {"method", "length", "n", "score", "score_ci", "f1", "ppl", "payload_bytes_per_token"}
+        assert r["n"] == 4 and r["score_ci"][0] <= r["score"] <= r["score_ci"][1] and r["ppl"] > 1
+        assert r["ttft_ms"] is None and r["achieved_gbit_s"] is None  # measured over a link by the TTFT bench
+    by = {r["method"]: r for r in out["results"] if r["length"] == 256}
+    raw = by["raw"]["payload_bytes_per_token"]
+    assert 1.9 * raw < by["raw_fp32"]["payload_bytes_per_token"] < 2.1 * raw
+    assert raw > by["kivi4"]["payload_bytes_per_token"] > by["kivi2"]["payload_bytes_per_token"]  # residual window: not 4x
+    assert by["scd"]["payload_bytes_per_token"] < raw and by["oracle"]["payload_bytes_per_token"] == 0
+    assert [b["k"] for b in out["patch_budget"]] == [0, 1, 2] and out["patch_budget"][2]["layers"] == [0, 1]
+    a, b = out["droidspeak_block"]
+    assert 0 <= a < b <= 2 and "0,0" in out["droidspeak_profile_kl"] and out["reuse_map"] == "joint"
     assert [(a["rank_k"], a["rank_v"]) for a in out["ablation_rank"]] == [(4, 8), (2, 8), (4, 4), (2, 4)]
     [run] = json.loads((tmp_path / "b.json").read_text())["runs"]  # appended with its provenance
     assert run["results"] == out["results"] and run["provenance"] == out["provenance"]

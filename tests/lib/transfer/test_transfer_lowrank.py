@@ -76,3 +76,41 @@ def test_pca_map_is_the_producer_subspace() -> None:
     svals = np.linalg.svd(x - x.mean(0), compute_uv=False)
     expect = [np.sqrt((svals[r:] ** 2).sum()) / np.linalg.norm(x) for r in (2, 6, 12)]  # Eckart-Young
     assert np.allclose(errs, expect, atol=1e-4)
+
+
+def _rotation(d: int, seed: int) -> np.ndarray:
+    return np.linalg.qr(np.random.default_rng(seed).normal(size=(d, d)))[0]
+
+
+def test_joint_map_recovers_a_similarity_relation_exactly_at_full_rank_and_on_its_subspace() -> None:
+    from kvstate.transfer.lowrank import fit_joint, truncate
+
+    x, _ = _data(4)
+    y = 1.7 * x @ _rotation(12, 5) - 3.0  # a known linear relation: scaled rotation plus offset
+    full = fit_joint(x, y, 12)
+    assert relative_error(full.decode(full.encode(x)), y) < 1e-5
+    assert relative_error(full.decode(full.encode(x[:7] * 2.0)), 1.7 * (x[:7] * 2.0) @ _rotation(12, 5) - 3.0) < 1e-5
+    rng = np.random.default_rng(6)  # states on a 5-dim subspace: rank 5 is already exact, rank 4 is not
+    x5 = (rng.normal(size=(300, 5)) @ rng.normal(size=(5, 12))).astype(np.float32)
+    y5 = 0.5 * x5 @ _rotation(12, 7)
+    assert relative_error(fit_joint(x5, y5, 5).decode(fit_joint(x5, y5, 5).encode(x5)), y5) < 1e-5
+    assert relative_error(truncate(fit_joint(x5, y5, 12), 4).decode(fit_joint(x5, y5, 4).encode(x5)), y5) > 1e-2
+
+
+def test_joint_map_keeps_token_geometry_where_regression_distorts_it() -> None:
+    """With noise, least squares shrinks the directions the noise hides; the joint map's decoder is a scaled
+    orthogonal map, so the code's inner products between tokens reach the consumer up to one scale."""
+    from kvstate.transfer.lowrank import fit_joint
+
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(2000, 8)) * np.array([4, 3, 2, 1, 1, 0.5, 0.5, 0.3])
+    y = x @ _rotation(8, 9) + 0.8 * rng.normal(size=x.shape)
+    joint, reg = fit_joint(x, y, 8), fit_low_rank(x, y, 8)
+    xc = x - x.mean(0)
+    for m, keeps in ((joint, True), (reg, False)):
+        out = m.decode(m.encode(x)) - m.mean_out
+        gram, ref = out[:50] @ out[:50].T, xc[:50] @ xc[:50].T
+        s = np.trace(gram) / np.trace(ref)
+        assert (relative_error(gram, s * ref) < 1e-4) == keeps
+    with pytest.raises(ValueError, match="rank"):
+        fit_joint(x, y, 9)

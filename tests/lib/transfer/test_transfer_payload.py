@@ -84,10 +84,24 @@ def test_code_quantization_error_is_within_half_a_step(bits: int) -> None:
         assert parts["q"].dtype == torch.uint8 and parts["q"].shape == (50, 4)  # two codes per byte
 
 
-def test_kivi_error_is_within_half_a_step() -> None:
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_groups_residual_window_and_error_within_half_a_step(bits: int) -> None:
+    """KIVI: keys per channel over 32-token groups, values per token over 32-channel groups, the last >= 128 tokens
+    (the remainder of the groups) exact in fp16, each quantized value within half a step of its group's scale."""
+    from kvstate.transfer.quant import kivi_split
+
     g = torch.Generator().manual_seed(2)
-    k, v = torch.randn(40, 12, generator=g), torch.randn(40, 12, generator=g)
-    parts = kivi_quantize(k, v)
-    kb, vb = kivi_dequantize(parts, 12)
-    assert bool(((kb - k).abs() <= parts["k.scale"].float() * 0.51 + 2e-3).all())
-    assert bool(((vb - v).abs() <= parts["v.scale"].float() * 0.51 + 2e-3).all())
+    k, v = torch.randn(300, 64, generator=g), torch.randn(300, 64, generator=g)
+    n = kivi_split(300)
+    assert n == 160 and kivi_split(150) == 0  # 300 - 128 = 172 -> five whole groups of 32; 140 tokens stay fp16
+    parts = kivi_quantize(k, v, bits)
+    assert parts["k.q"].shape == (160, 64 * bits // 8) and parts["k.scale"].shape == (5, 1, 64)
+    assert parts["v.scale"].shape == (160, 2, 1) and parts["k.res"].shape == (140, 64)
+    kb, vb = kivi_dequantize(parts, 300, 64, bits)
+    assert torch.equal(kb[n:], k[n:].half().float()) and torch.equal(vb[n:], v[n:].half().float())
+    ks = parts["k.scale"].float().expand(5, 32, 64).reshape(160, 64)
+    vs = parts["v.scale"].float().expand(160, 2, 32).reshape(160, 64)
+    assert bool(((kb[:n] - k[:n]).abs() <= ks * 0.51 + 2e-3).all()) and bool(((vb[:n] - v[:n]).abs() <= vs * 0.51 + 2e-3).all())
+    assert float((kb[:n] - k[:n]).abs().mean()) > 0.01  # lossy where quantized
+    with pytest.raises(ValueError, match="group"):
+        kivi_quantize(k[:, :40], v[:, :40])

@@ -1,14 +1,16 @@
-"""``kvstate transfer bench``: SCD against its baselines on the same prompts, quality and time to first token.
+"""``kvstate transfer bench``: SCD against its baselines on the same prompts: quality and payload size.
 
 Compares, for *Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching*
-(``docs/techniques.md#across-models``): the consumer's own full prefill (``oracle``), raw producer KV
-(``raw``, fp16), KIVI-style 4-bit raw KV (``kv4bit``), DroidSpeak-style recompute of a contiguous block
-of critical layers (``droidspeak``), REUSE codes only (``reuse``) and REUSE + PATCH (``scd``). For every
-method: the consumer's score (RULER metric) and token F1 on the needle tasks, perplexity on held-out
-text, payload bytes per token, the consumer's compute (payload parse + cache decode + the last prompt
-token; the oracle: its full prefill) measured here, TTFT = payload bytes / bandwidth + consumer compute
-at 1, 10 and 100 Gbit/s, and one measured loopback TCP fetch. Ablation: PATCH budget k = 0..L.
-Ignored: the producer's own prefill time (it runs before the consumer is involved in both designs).
+(``docs/techniques.md#across-models``): the consumer's own full prefill (``oracle``), raw producer KV in
+fp16 / fp32 (``raw`` / ``raw_fp32``), KIVI at 4 / 2 bits with its fp16 residual window (``kivi4`` /
+``kivi2``), DroidSpeak's recompute of the contiguous block its offline profiling picks (``droidspeak``),
+REUSE codes at every layer (``reuse``), REUSE + PATCH on the calibrated transition layers (``scd``), the
+PATCH budget ``scd_k1`` .. ``scd_k4`` (the k layers with the largest measured patch gain; k = 0 is
+``reuse``) and, given a producer-space PCA codec, the ablation ``reuse_pca_producer``. One row per method
+and length: the consumer's score (RULER metric) with its 95% interval and per-item scores (for paired
+differences), token F1, perplexity on held-out text, payload bytes per token measured from the payloads
+sent, and the consumer's compute (payload parse + cache decode + first logits; the oracle: its prefill).
+Time to first token over a link is measured elsewhere (``ttft_ms`` / ``achieved_gbit_s`` stay null here).
 """
 
 from __future__ import annotations
@@ -27,17 +29,22 @@ from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import extract_answer, f1, score
-from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
+from kvstate.lab.transfer.baselines import (
+    choose_block,
+    decode_baseline,
+    encode_baseline,
+    profile_blocks,
+    raw_pair,
+)
 from kvstate.models import model_fingerprint
-from kvstate.transfer.codec import Codec
+from kvstate.transfer.codec import Codec, CodecError
 from kvstate.transfer.lowrank import select_patch_layers
 from kvstate.transfer.payload import Payload
-from kvstate.transfer.store import MemoryStore
-from kvstate.transfer.transport import ProducerService, ServerThread, fetch_payload
 
-METHODS = ("oracle", "raw", "kv4bit", "droidspeak", "reuse", "scd")
+BASELINES = ("raw", "raw_fp32", "kivi4", "kivi2", "droidspeak")
 GATE_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
 WEAK_TASKS = ("vt", "fwe", "cwe", "qa")
+MAX_BUDGET = 4  # PATCH budget rows scd_k1 .. scd_k{min(4, layers)}
 
 
 @dataclass(frozen=True)
@@ -50,44 +57,68 @@ class BenchConfig:
     weak_n: int = 3  # examples per weak task, at lengths[0]
     ppl_n: int = 4  # held-out text examples; the second half is scored given the first half's state
     ppl_length: int = 1024
-    bandwidths_gbit: tuple[float, ...] = (1.0, 10.0, 100.0)
-    ablation_n: int = 3  # examples per needle task at lengths[0] for the PATCH-budget ablation (0: skip)
+    ablation_n: int = 3  # examples per needle task at lengths[0] for the key-vs-value rank ablation (0: skip)
+    budget_rows: bool = True  # the PATCH budget rows scd_k1 .. scd_k4
+    droidspeak_prefixes: int = 4  # dev prefixes (calibration stream) of DroidSpeak's block profiling
+    droidspeak_keep: float = 0.25  # its quality bound: the block's KL <= keep x raw reuse's
 
     def __post_init__(self) -> None:
-        if self.n < 1 or self.ppl_n < 0 or self.weak_n < 0 or self.ablation_n < 0:
-            raise KVStateError(f"BenchConfig: n={self.n} must be >= 1 and ppl_n / weak_n / ablation_n >= 0")
-        if not self.lengths or not self.tasks or any(b <= 0 for b in self.bandwidths_gbit):
-            raise KVStateError("BenchConfig: need tasks, lengths and positive bandwidths")
+        if self.n < 1 or self.ppl_n < 0 or self.weak_n < 0 or self.ablation_n < 0 or self.droidspeak_prefixes < 1:
+            raise KVStateError(f"BenchConfig: n={self.n} and droidspeak_prefixes={self.droidspeak_prefixes} must be "
+                               ">= 1 and ppl_n / weak_n / ablation_n >= 0")
+        if not self.lengths or not self.tasks:
+            raise KVStateError("BenchConfig: need tasks and lengths")
+        if not 0.0 <= self.droidspeak_keep < 1.0:
+            raise KVStateError(f"BenchConfig.droidspeak_keep={self.droidspeak_keep} must be in [0, 1)")
 
 
 Encode = Callable[[torch.Tensor], Payload]
 Decode = Callable[[Payload, list[int]], Any]
 
 
-def transfer_methods(producer: Any, consumer: Any, codec: Codec) -> dict[str, tuple[Encode, Decode]]:
-    """(encode on the producer, decode on the consumer) of every method but the oracle."""
+def budget_layers(codec: Codec, k: int) -> list[int]:
+    """The ``k`` PATCH layers with the largest calibrated patch gain (the transition layers)."""
+    gain = codec.info.get("patch_gain") or [0.0] * codec.geometry.n_layers
+    return select_patch_layers(gain, k)
+
+
+def transfer_methods(producer: Any, consumer: Any, codec: Codec, block: tuple[int, int],
+                     pca_codec: Codec | None = None, budget_rows: bool = True) -> dict[str, tuple[Encode, Decode]]:
+    """(encode on the producer, decode on the consumer) of every method but the oracle, in table order."""
     codec.check_models(producer, consumer)
+    if pca_codec is not None:
+        pca_codec.check_models(producer, consumer)
     rp = raw_pair(model_fingerprint(producer), model_fingerprint(consumer))
-    block = droidspeak_block(codec)
 
     def base(method: str) -> tuple[Encode, Decode]:
         return (lambda ids: encode_baseline(method, producer, ids, rp, block),
                 lambda pl, _ids: decode_baseline(consumer, pl, rp))
 
-    def scd(patch: Sequence[int] | None) -> tuple[Encode, Decode]:
-        return (lambda ids: codec.encode(producer, ids, patch=patch, check=False),
-                lambda pl, ids: codec.decode(consumer, pl, ids, check=False))
+    def scd(c: Codec, patch: Sequence[int] | None) -> tuple[Encode, Decode]:
+        return (lambda ids: c.encode(producer, ids, patch=patch, check=False),
+                lambda pl, ids: c.decode(consumer, pl, ids, check=False))
 
-    return {"raw": base("raw"), "kv4bit": base("kv4bit"), "droidspeak": base("droidspeak"),
-            "reuse": scd(()), "scd": scd(None)}
+    out = {m: base(m) for m in BASELINES}
+    if pca_codec is not None:
+        out["reuse_pca_producer"] = scd(pca_codec, ())
+    out.update(reuse=scd(codec, ()), scd=scd(codec, None))
+    if budget_rows:
+        for k in range(1, min(MAX_BUDGET, codec.geometry.n_layers) + 1):
+            out[f"scd_k{k}"] = scd(codec, budget_layers(codec, k))
+    return out
 
 
-def droidspeak_block(codec: Codec) -> tuple[int, int]:
-    """The contiguous block of as many layers as the codec patches (>= 1) with the largest raw-reuse impact."""
-    impact = codec.info.get("impact_raw") or [1.0] * codec.geometry.n_layers
-    width = max(1, len(codec.config.patch_layers))
-    start = max(range(len(impact) - width + 1), key=lambda a: (sum(impact[a:a + width]), -a))
-    return start, start + width
+def droidspeak_profile(producer: Any, consumer: Any, tokenizer: Any, cfg: BenchConfig,
+                       seed: int) -> tuple[tuple[int, int], dict[str, float]]:
+    """DroidSpeak's block from its offline profiling on dev prefixes of the calibration stream (``seed``)."""
+    from kvstate.lab.transfer.prompts import calibration_prompts
+    from kvstate.transfer.calibrate import CalibrationConfig
+
+    prompts = calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, cfg.droidspeak_prefixes),
+                                                               length=512, seed=seed))[: cfg.droidspeak_prefixes]
+    rp = raw_pair(model_fingerprint(producer), model_fingerprint(consumer))
+    kl = profile_blocks(producer, consumer, prompts, rp)
+    return choose_block(kl, cfg.droidspeak_keep), {f"{a},{b}": round(v, 6) for (a, b), v in kl.items()}
 
 
 @torch.inference_mode()
@@ -106,23 +137,30 @@ def _transfer(enc: Encode, dec: Decode, ids: torch.Tensor) -> tuple[Any, int, fl
 
 
 def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
-              tick: Callable[[str], None] | None = None) -> dict[str, Any]:
+              tick: Callable[[str], None] | None = None, pca_codec: Codec | None = None) -> dict[str, Any]:
     """Every method on the same prompts; returns the JSON of ``kvstate transfer bench``."""
     from kvstate.lab.workloads.tasks import generate
 
+    if pca_codec is not None and (pca_codec.info.get("config") or {}).get("reuse_map") != "pca":
+        raise CodecError("the reuse_pca_producer ablation needs a codec calibrated with --reuse-map pca; "
+                         "pass one to --pca-codec")
     tick = tick or (lambda _s: None)
-    methods = transfer_methods(producer, consumer, codec)
+    seed = int((codec.info.get("config") or {}).get("seed", 7919))  # the calibration stream: dev data, not test
+    block, block_kl = droidspeak_profile(producer, consumer, tokenizer, cfg, seed)
+    tick("droidspeak")
+    methods = transfer_methods(producer, consumer, codec, block, pca_codec, cfg.budget_rows)
+    names = ["oracle", *methods]
     eos = tokenizer.eos_token_id
-    rows: dict[str, dict[str, list[float]]] = {m: {"score": [], "f1": [], "ms": [], "bytes": [], "tokens": []}
-                                               for m in METHODS}
-    cells: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}
-    weak: dict[str, dict[str, list[float]]] = {m: {} for m in METHODS}
+    rows: dict[tuple[str, int], dict[str, list[float]]] = {
+        (m, L): {"score": [], "f1": [], "ms": [], "bytes": [], "tokens": []} for m in names for L in cfg.lengths}
+    cells: dict[str, dict[str, list[float]]] = {m: {} for m in names}
+    weak: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for task, length, n, strong in [(t, L, cfg.n, True) for t in cfg.tasks for L in cfg.lengths] + \
             [(t, cfg.lengths[0], cfg.weak_n, False) for t in cfg.weak_tasks]:
         for ex in generate(task, length, n, cfg.seed, tokenizer) if n else []:
             ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
             budget = len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
-            for m in METHODS:
+            for m in names:
                 if m == "oracle":
                     new, ms = _greedy(consumer, eos, ids, DynamicCache(config=consumer.config), 0, budget)
                     nbytes = 0
@@ -132,54 +170,50 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
                     ms = dec_ms + first_ms
                 pred = tokenizer.decode(new, skip_special_tokens=True)
                 s, f = score(ex, pred), f1(extract_answer(pred), ex.answers)
-                key = f"{task}@{length}"
-                (cells if strong else weak)[m].setdefault(key, []).append(s)
+                (cells if strong else weak)[m].setdefault(f"{task}@{length}", []).append(s)
                 if strong:
-                    r = rows[m]
-                    r["score"].append(s)
-                    r["f1"].append(f)
-                    r["ms"].append(ms)
-                    r["bytes"].append(nbytes)
-                    r["tokens"].append(ids.shape[1] - 1)
+                    r = rows[(m, length)]
+                    for key, val in (("score", s), ("f1", f), ("ms", ms), ("bytes", nbytes), ("tokens", ids.shape[1] - 1)):
+                        r[key].append(val)
             tick(task)
     ppl_texts: dict[str, list[TextNLL]] = {}
-    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick, texts=ppl_texts)
+    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick, only=names, texts=ppl_texts)
     ppl_ci = _ppl_intervals(ppl_texts, cfg.seed)
-    loop = _loopback(producer, tokenizer, methods, cfg)
     results = []
-    for m in METHODS:
-        r = rows[m]
-        bpt = sum(r["bytes"]) / sum(r["tokens"])
-        cms = statistics.median(r["ms"])
-        mean_tokens = sum(r["tokens"]) / len(r["tokens"])
-        ttft = {f"{b:g}": round(bpt * mean_tokens * 8 / (b * 1e9) * 1e3 + cms, 3) for b in cfg.bandwidths_gbit}
+    for (m, length), r in rows.items():
         est = stats.rate(r["score"], seed=cfg.seed)
-        results.append({"method": m, "score": round(est.value, 4), "score_ci": [round(est.lo, 4), round(est.hi, 4)],
-                        "n": est.n, "items": [round(float(s), 4) for s in r["score"]],
-                        "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4),
+        results.append({"method": m, "length": length, "n": est.n, "score": round(est.value, 4),
+                        "score_ci": [round(est.lo, 4), round(est.hi, 4)],
+                        "items": [round(float(x), 4) for x in r["score"]],
+                        "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4) if m in ppl else None,
                         "ppl_ci": ppl_ci.get(m), "ppl_texts": len(ppl_texts.get(m, [])),
-                        "payload_bytes_per_token": round(bpt, 2), "consumer_ms": round(cms, 3), "ttft_ms": ttft,
-                        "loopback_ms": round(loop.get(m, 0.0), 3),
-                        "per_task": {k: round(sum(v) / len(v), 4) for k, v in cells[m].items()},
+                        "payload_bytes_per_token": round(sum(r["bytes"]) / sum(r["tokens"]), 2),
+                        "consumer_ms": round(statistics.median(r["ms"]), 3), "ttft_ms": None, "achieved_gbit_s": None,
+                        "per_task": {k: round(sum(v) / len(v), 4) for k, v in cells[m].items() if k.endswith(f"@{length}")},
                         "weak_tasks": {k: round(sum(v) / len(v), 4) for k, v in weak[m].items()}})
     g = codec.geometry
-    out = {"results": results, "mean_prompt_tokens": round(mean_tokens, 1),
+    budget = [{"k": 0, "method": "reuse", "layers": []}]
+    if cfg.budget_rows:
+        budget += [{"k": k, "method": f"scd_k{k}", "layers": budget_layers(codec, k)}
+                   for k in range(1, min(MAX_BUDGET, g.n_layers) + 1)]
+    out = {"results": results,
            "fp16_raw_kv_bytes_per_token": g.n_layers * 2 * g.n_kv_heads * g.head_dim * 2,
-           "patch_layers": list(codec.config.patch_layers), "droidspeak_block": list(droidspeak_block(codec)),
+           "patch_layers": list(codec.config.patch_layers), "patch_budget": budget,
+           "droidspeak_block": list(block), "droidspeak_profile_kl": block_kl,
+           "reuse_map": (codec.info.get("config") or {}).get("reuse_map"),
            "ranks": {"k": codec.config.rank_k, "v": codec.config.rank_v, "h": codec.config.rank_h},
            "bits": codec.config.bits, "config": asdict(cfg),
            "drift": {k: codec.info.get(k) for k in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v",
                                                      "patch_err_k", "patch_err_v", "impact_raw", "impact_reuse",
-                                                     "impact_patch", "amplification", "kl_all_layers")}}
+                                                     "impact_patch", "patch_gain", "amplification", "kl_all_layers")}}
     if cfg.ablation_n:
-        out["ablation_patch"] = _patch_ablation(producer, consumer, tokenizer, codec, cfg, tick)
         out["ablation_rank"] = _rank_ablation(producer, consumer, tokenizer, codec, cfg, tick)
     return out
 
 
 @torch.inference_mode()
 def _perplexities(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]], cfg: BenchConfig,
-                  tick: Callable[[str], None], only: Sequence[str] = METHODS,
+                  tick: Callable[[str], None], only: Sequence[str],
                   texts: dict[str, list[TextNLL]] | None = None) -> dict[str, float]:
     """Consumer perplexity on the second half of held-out text given each method's state of the first half."""
     from kvstate.lab.workloads.tasks import generate
@@ -211,24 +245,6 @@ def _ppl_intervals(rows: dict[str, list[TextNLL]], seed: int) -> dict[str, list[
     return out
 
 
-def _loopback(producer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]],
-              cfg: BenchConfig) -> dict[str, float]:
-    """Median of 3 loopback TCP fetches (connect, hello, request, payload) of one ``ppl_length`` prompt's payload."""
-    from kvstate.lab.workloads.tasks import generate
-
-    ex = generate("text", cfg.ppl_length, 1, cfg.seed + 2, tokenizer)[0]
-    ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)[:, :-1]
-    out = {}
-    for m, (enc, _dec) in methods.items():
-        payload = enc(ids)
-        service = ProducerService(lambda _ids, p=payload: p, payload.pair, MemoryStore())
-        with ServerThread(service) as srv:
-            fetch_payload(f"127.0.0.1:{srv.port}", ids[0].tolist())  # encodes once, then served from the store
-            out[m] = statistics.median(fetch_payload(f"127.0.0.1:{srv.port}", ids[0].tolist())[1]["wire_ms"]
-                                       for _ in range(3))
-    return out
-
-
 def _task_pass(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, layers: Sequence[int] | None,
                cfg: BenchConfig) -> tuple[float, float]:
     """(mean score, payload bytes per token) of ``codec`` with PATCH ``layers`` on the ablation examples."""
@@ -256,22 +272,5 @@ def _rank_ablation(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, c
     for k, v in dict.fromkeys([(rk, rv), (max(1, rk // 2), rv), (rk, max(1, rv // 2)), (max(1, rk // 2), max(1, rv // 2))]):
         s, bpt = _task_pass(producer, consumer, tokenizer, codec.truncated(k, v), (), cfg)
         out.append({"rank_k": k, "rank_v": v, "score": round(s, 4), "payload_bytes_per_token": round(bpt, 2)})
-        tick("ablation")
-    return out
-
-
-def _patch_ablation(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
-                    tick: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Score, perplexity and payload size for PATCH budgets k = 0..L (layers by calibrated patch gain)."""
-    gain = codec.info.get("patch_gain") or [0.0] * codec.geometry.n_layers
-    out = []
-    for k in range(codec.geometry.n_layers + 1):
-        layers = select_patch_layers(gain, k)
-        s, bpt = _task_pass(producer, consumer, tokenizer, codec, layers, cfg)
-        enc = lambda ids, lay=layers: codec.encode(producer, ids, patch=lay, check=False)  # noqa: E731
-        dec = lambda pl, ids: codec.decode(consumer, pl, ids, check=False)  # noqa: E731
-        ppl = _perplexities(consumer, tokenizer, {"scd": (enc, dec)}, cfg, tick, only=("scd",))["scd"]
-        out.append({"k": k, "layers": layers, "score": round(s, 4), "ppl": round(ppl, 4),
-                    "payload_bytes_per_token": round(bpt, 2)})
         tick("ablation")
     return out

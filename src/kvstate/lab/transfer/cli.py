@@ -58,8 +58,9 @@ def calibrate_command(
     rank_h: Annotated[int, typer.Option("--rank-h", help="H_in code channels per PATCH layer.")] = 64,
     patch: Annotated[str, typer.Option("--patch", help="PATCH layers: 'auto' or a count k.")] = "auto",
     bits: Annotated[int, typer.Option("--bits", help="Code precision on the wire: 8, 4, 16 or 32.")] = 8,
-    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'regress' (producer -> consumer) or "
-                                           "'pca' (the producer's principal subspace).")] = "regress",
+    reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'joint' (producer principal code, "
+                                           "orthogonal decoder into the consumer); ablations 'regress' (reduced-rank "
+                                           "regression) and 'pca' (the producer's own subspace).")] = "joint",
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the calibration prefixes.")] = 7919,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
@@ -197,7 +198,8 @@ def generate_command(
 
 
 # the source a transfer bench depends on: a change here makes committed bench.json files stale
-BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/baselines.py", "lab/decode.py",
+BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/baselines.py", "lab/transfer/prompts.py",
+              "lab/decode.py",
               "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py")
 
 
@@ -211,14 +213,20 @@ def bench_command(
     lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated.")] = "1024,2048",
     ppl_n: Annotated[int, typer.Option("--ppl-n", help="Held-out text examples for perplexity.")] = 4,
     weak_n: Annotated[int, typer.Option("--weak-n", help="Examples per weak task (vt, fwe, cwe, qa).")] = 3,
-    ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the PATCH-budget ablation (0: skip).")] = 3,
+    ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the key-vs-value rank "
+                                            "ablation (0: skip).")] = 3,
+    pca_codec: Annotated[Path | None, typer.Option(
+        "--pca-codec", help="A codec calibrated with --reuse-map pca for the same pair: adds the reuse_pca_producer "
+        "ablation row.")] = None,
+    budget_rows: Annotated[bool, typer.Option("--budget/--no-budget", help="PATCH budget rows scd_k1..scd_k4.")] = True,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Append this run, with its provenance, to a result file (e.g. CODEC/bench.json).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
 ) -> None:
-    """oracle / raw / kv4bit / droidspeak / reuse / scd on the same prompts: quality, bytes, TTFT."""
+    """oracle / raw / raw_fp32 / kivi4 / kivi2 / droidspeak / reuse / scd / scd_k1..4 on the same prompts: quality
+    with intervals, perplexity, payload bytes per token; one row per method and length."""
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.lists import parse_ints
@@ -230,7 +238,7 @@ def bench_command(
 
     _threads(threads)
     cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", lo=64, example="1024,2K")),
-                      ppl_n=ppl_n, weak_n=weak_n, ablation_n=ablation_n)
+                      ppl_n=ppl_n, weak_n=weak_n, ablation_n=ablation_n, budget_rows=budget_rows)
     for option, value in (("--n", n), ("--ppl-n", ppl_n), ("--weak-n", weak_n), ("--ablation-n", ablation_n)):
         if not (1 if option == "--n" else 0) <= value <= MAX_EXAMPLES:
             raise KVStateError(f"{option} {value} must be in {1 if option == '--n' else 0}..{MAX_EXAMPLES:,}")
@@ -238,28 +246,28 @@ def bench_command(
         check_results_out(out, overwrite=overwrite)
     check_lengths_fit(load_config(consumer), cfg.lengths)  # the configs alone: before reading the weights
     check_lengths_fit(load_config(producer), cfg.lengths)
-    rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir], n=n, seeds=[seed], tasks=cfg.tasks,
-                   lengths=cfg.lengths, settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n})
+    rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])], n=n,
+                   seeds=[seed], tasks=cfg.tasks, lengths=cfg.lengths,
+                   settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n, "budget_rows": budget_rows})
     codec = Codec.load(codec_dir)
+    pca = Codec.load(pca_codec) if pca_codec is not None else None
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
-    L = codec.geometry.n_layers
-    total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + \
-        ((L + 1) * (1 + ppl_n) + 4 if ablation_n else 0)
+    total = 1 + len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + (4 if ablation_n else 0)
     with progress_bar("bench", total, unit="ex") as bar:
-        result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()))
-    result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir))
+        result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()), pca_codec=pca)
+    result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir),
+                  pca_codec=str(pca_codec) if pca_codec else None)
     prov = rec.finish()
     if out is not None:
         write_results(out, result, prov, overwrite=overwrite)
     table = Table(title=f"transfer bench: {producer} -> {consumer}, n={n}, lengths {lengths}")
-    for col in ("method", "score", "F1", "ppl", "B/token", "consumer ms", *(f"TTFT@{b}G ms" for b in ("1", "10", "100")),
-                "loopback ms"):
+    for col in ("method", "length", "n", "score [95% CI]", "F1", "ppl", "B/token", "consumer ms"):
         table.add_column(col, justify="right")
     for r in result["results"]:
-        table.add_row(r["method"], f"{r['score']:.3f}", f"{r['f1']:.3f}", f"{r['ppl']:.3f}",
-                      f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}",
-                      *(f"{r['ttft_ms'][b]:.1f}" for b in ("1", "10", "100")), f"{r['loopback_ms']:.1f}")
+        lo, hi = r["score_ci"]
+        table.add_row(r["method"], str(r["length"]), str(r["n"]), f"{r['score']:.3f} [{lo:.3f}, {hi:.3f}]",
+                      f"{r['f1']:.3f}", f"{r['ppl']:.3f}", f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}")
     table_console(as_json).print(table)
     if as_json:
         print_json({**result, "provenance": prov})
