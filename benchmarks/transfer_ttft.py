@@ -13,7 +13,7 @@ Prints a table on stderr, then one JSON line on stdout; ``--out FILE`` appends t
 (rows keyed by method and length, the shape of ``kvstate transfer bench --json`` rows).
 Usage: ``python benchmarks/transfer_ttft.py [--producer models/ref-attn] [--consumer models/ref-attn-ft]
 [--codec models/codec-ref-attn-ft] [--rate 0.1,1,10 | none] [--length 1K,4K,8K] [--repeats 5]
-[--methods raw,kv4bit,droidspeak,reuse,scd] [--unshaped] [--out FILE [--overwrite]]``.
+[--methods raw,raw_fp32,kivi4,kivi2,droidspeak,reuse,scd] [--unshaped] [--out FILE [--overwrite]]``.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_generate_falls_back_and_says_so_when_the_producer_is_down(dirs: tuple[P
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there
     args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec), "--server", f"127.0.0.1:{port}",
-            "--prompt", "the cat sat on the mat", "--max-new-tokens", "2", "--method", "kv4bit", "--timeout", "5"]
+            "--prompt", "the cat sat on the mat", "--max-new-tokens", "2", "--method", "kivi4", "--timeout", "5"]
     res = CliRunner().invoke(app, [*args, "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output[res.output.rindex('{"text"'):])

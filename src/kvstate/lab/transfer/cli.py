@@ -115,7 +115,7 @@ def serve_command(
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     max_tokens: Annotated[int, typer.Option(
         "--max-tokens", help="Tokens per request at most (bounds how long one request holds the model).")] = 8192,
-    method: Annotated[str, typer.Option("--method", help="What to ship: scd, reuse, or a baseline (raw, kv4bit, "
+    method: Annotated[str, typer.Option("--method", help="What to ship: scd, reuse, or a baseline (raw, raw_fp32, kivi4, kivi2, "
                                         "droidspeak); the consumer passes the same --method.")] = "scd",
 ) -> None:
     """Serve SCD (or baseline) payloads of prompt prefixes over TCP until interrupted."""

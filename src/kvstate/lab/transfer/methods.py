@@ -18,7 +18,6 @@ import torch
 
 from kvstate.errors import KVStateError
 from kvstate.lab.transfer import baselines
-from kvstate.lab.transfer.bench import droidspeak_block
 from kvstate.transfer.codec import Codec
 from kvstate.transfer.payload import Payload
 from kvstate.transfer.serving import Receiver, codec_receiver
@@ -37,15 +36,25 @@ def check_method(method: str) -> str:
     return method
 
 
-def encoder(method: str, producer: Any, codec: Codec) -> tuple[bytes, Callable[[torch.Tensor], Payload]]:
-    """(pair, encode ids (1, T) -> payload) of ``method`` on ``producer``; fingerprint checked against ``codec``."""
+def whole_stack(codec: Codec) -> tuple[int, int]:
+    """DroidSpeak's block when none is given: every layer. Its offline profiling
+    (:func:`kvstate.lab.transfer.bench.droidspeak_profile`, recorded as ``droidspeak_block`` in the bench's
+    results) needs both models; on the committed pair no smaller block met its quality bound."""
+    return 0, codec.geometry.n_layers
+
+
+def encoder(method: str, producer: Any, codec: Codec, block: tuple[int, int] | None = None,
+            ) -> tuple[bytes, Callable[[torch.Tensor], Payload]]:
+    """(pair, encode ids (1, T) -> payload) of ``method`` on ``producer``; fingerprint checked against ``codec``.
+
+    ``block`` is DroidSpeak's recomputed layer block ``[a, b)`` (default :func:`whole_stack`)."""
     check_method(method)
     codec.check_models(producer=producer)
     if method in CODEC_METHODS:
         patch = () if method == "reuse" else None
         return codec.pair, lambda ids: codec.encode(producer, ids, patch=patch, check=False)
-    pair, block = baselines.raw_pair(codec.producer_fp, codec.consumer_fp), droidspeak_block(codec)
-    return pair, lambda ids: baselines.encode_baseline(method, producer, ids, pair, block)
+    pair, span = baselines.raw_pair(codec.producer_fp, codec.consumer_fp), block or whole_stack(codec)
+    return pair, lambda ids: baselines.encode_baseline(method, producer, ids, pair, span)
 
 
 def receiver(method: str, consumer: Any, codec: Codec) -> Receiver:
