@@ -109,7 +109,8 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
                             str(codec_dir), "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec_dir), "--server", f"127.0.0.1:{port}",
-                "--prompt", "the cat sat on the mat . answer :", "--max-new-tokens", "4", "--json"]
+                "--prompt", "the cat sat on the mat . answer :", "--max-new-tokens", "4", "--json",
+                "--no-fallback"]  # while the server loads, fail rather than fall back to the consumer's own prefill
         deadline = time.time() + 90
         while True:
             res = CliRunner().invoke(app, args)
