@@ -37,7 +37,7 @@ from kvstate.semantic.attention import SEKV
 from kvstate.semantic.config import SemanticConfig
 from kvstate.semantic.lowrank import byte_cap
 from kvstate.semantic.router import RouterConfig, SemanticRouter
-from kvstate.semantic.segment import Segmentation, fit_budget, min_fast_bytes, span_weights
+from kvstate.semantic.segment import Segmentation, fast_bytes, fit_budget, min_fast_bytes, span_weights
 from kvstate.semantic.store import SpanStore
 from kvstate.validate import check_token_ids
 
@@ -135,22 +135,38 @@ class SemanticCache(Cache):
         seg = self.fit(s)
         return self.compress_segmentation(seg, span_weights(s, seg))
 
-    def fit(self, surprisal_values: np.ndarray) -> Segmentation:
-        """The segmentation whose fast tier fits ``(1 - expand_share) x budget`` of the context's full KV (the
-        whole budget for the uncapped zooms: ``"none"`` expands nothing, the ``"all"`` oracle everything)."""
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(context tokens, bytes per token, bytes per span summary, fast-tier budget bytes) per layer."""
         k = self.semantic_layers[0].keys
         t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
         span_bytes = k.shape[1] * (2 * k.shape[3] + self.router.config.routing_dim) * k.element_size() + k.element_size()
         share = 1.0 - self.config.expand_share if self.config.capped else 1.0  # uncapped zooms expand nothing / all
-        budget = int(share * self.config.budget * t * token_bytes)
+        return t, token_bytes, span_bytes, int(share * self.config.budget * t * token_bytes)
+
+    def _refuse(self, need: int, what: str) -> BudgetError:
+        t, token_bytes, _, budget = self._sizes()
+        share = budget / (self.config.budget * t * token_bytes)
+        return BudgetError(f"budget {self.config.budget} of full KV cannot hold the {what} of a {t}-token context "
+                           f"with expand_share={self.config.expand_share}: the minimum is {need} bytes per layer, "
+                           f"budget >= {need / (share * t * token_bytes):.4f}; raise the budget, lower expand_share, "
+                           "or lower sinks / recent / raise max_span")
+
+    def fit(self, surprisal_values: np.ndarray) -> Segmentation:
+        """The segmentation whose fast tier fits ``(1 - expand_share) x budget`` of the context's full KV (the
+        whole budget for the uncapped zooms: ``"none"`` expands nothing, the ``"all"`` oracle everything)."""
+        t, token_bytes, span_bytes, budget = self._sizes()
         need = min_fast_bytes(t, self.config.segment, token_bytes, span_bytes)
         if need > budget:
-            raise BudgetError(f"budget {self.config.budget} of full KV cannot hold the anchors (sinks, recent window) "
-                              f"and span summaries of a {t}-token context with expand_share={self.config.expand_share}: "
-                              f"the minimum is {need} bytes per layer, budget >= {need / (share * t * token_bytes):.4f}; "
-                              "raise the budget, lower expand_share, or lower sinks / recent / raise max_span")
+            raise self._refuse(need, "anchors (sinks, recent window) and span summaries")
         return fit_budget(surprisal_values, self.config.segment, budget, token_bytes, span_bytes)
+
+    def check_fits(self, seg: Segmentation) -> None:
+        """Raise :class:`BudgetError` naming the minimum unless ``seg``'s fast tier fits the budget's share."""
+        _, token_bytes, span_bytes, budget = self._sizes()
+        need = fast_bytes(seg, token_bytes, span_bytes)
+        if need > budget:
+            raise self._refuse(need, "anchors and span summaries of this segmentation")
 
     def compress_segmentation(self, seg: Segmentation, weights: list[np.ndarray]) -> Segmentation:
         """Compress every attention layer by a given segmentation (``weights``: per span, summing to 1)."""
