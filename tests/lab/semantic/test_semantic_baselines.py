@@ -143,3 +143,18 @@ def test_real_kvpress_evicting_presses_report_kept_bytes(tmp_path):
     assert not errors and {o.method for o in got} == {"streaming_llm_press", "knorm_press"}
     assert all(o.resident_bytes == o.total_bytes == o.attended_bytes_peak < 0.4 * o.full_bytes for o in got)
     assert sys.executable != str(py)
+
+
+def test_sentence_segmentation_packs_whole_sentences_into_spans():
+    from kvstate.lab.semantic.bench import sentence_segmentation
+
+    tok = build_tokenizer()
+    ids = build_items(tok, "niah_single", 400, 1, 0)[0].context
+    cfg = SegmentConfig(sinks=4, recent=16, max_span=32)
+    seg = sentence_segmentation(tok, ids, cfg)
+    period = tok.convert_tokens_to_ids(".")
+    covered = sorted([*seg.anchors.tolist(), *(i for a, b in seg.spans for i in range(a, b))])
+    assert covered == list(range(len(ids)))  # anchors and spans cover every position once
+    assert all(2 <= b - a <= 32 for a, b in seg.spans) and len(seg.spans) < len(ids) // 8
+    ends = [b for a, b in seg.spans if b < len(ids) - 16]
+    assert sum(ids[b - 1] == period for b in ends) >= 0.8 * len(ends)  # spans end at sentence ends

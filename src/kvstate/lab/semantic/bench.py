@@ -30,6 +30,7 @@ kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselin
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,11 +93,29 @@ def _answer(model: Any, cache: Any, question: list[int], start: int, max_new: in
 
 
 def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig) -> Segmentation:
-    """SentenceKV-like spans: the runs between sentence ends (``.`` tokens, kept as anchors with the sinks
-    and the recent window), runs longer than ``max_span`` split evenly."""
+    """SentenceKV-like spans: whole sentences (each ending at a ``.`` token) packed in order into spans of at
+    most ``max_span`` tokens (a longer sentence split evenly); sinks, recent window and pieces shorter than
+    ``min_span`` stay anchors."""
     period = tokenizer.convert_tokens_to_ids(".")
-    mask = forced_mask(len(ids), config) | (np.asarray(ids) == period)
-    return spans_from_anchors(mask, config)
+    forced = forced_mask(len(ids), config)
+    free = np.flatnonzero(~forced)
+    if not len(free):
+        return spans_from_anchors(forced, config)
+    lo, hi = int(free[0]), int(free[-1]) + 1
+    cuts = [lo, *(i + 1 for i in range(lo, hi - 1) if ids[i] == period), hi]
+    spans: list[tuple[int, int]] = []
+    for a, b in itertools.pairwise(cuts):  # one sentence [a, b)
+        if spans and b - spans[-1][0] <= config.max_span and spans[-1][1] == a:
+            spans[-1] = (spans[-1][0], b)  # the sentence joins the open span
+        else:
+            pieces = -(-(b - a) // config.max_span)
+            bounds = [a + ((b - a) * i) // pieces for i in range(pieces + 1)]
+            spans += list(itertools.pairwise(bounds))
+    kept = [(a, b) for a, b in spans if b - a >= config.min_span]
+    mask = np.ones(len(ids), dtype=bool)
+    for a, b in kept:
+        mask[a:b] = False
+    return Segmentation(len(ids), np.flatnonzero(mask).astype(np.int64), np.array(kept, dtype=np.int64).reshape(-1, 2))
 
 
 def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
