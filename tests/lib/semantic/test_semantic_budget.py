@@ -175,3 +175,14 @@ def test_budget_errors_name_the_minimum():
     low = SemanticCache(model, config=SemanticConfig(budget=0.6, segment=SEG, slow_budget=0.01))
     with pytest.raises(BudgetError, match=r"below one rank per span: the minimum is \d+ bytes.*slow_budget >= 0\.\d+"):
         prefill_and_compress(model, low, _ids(1, T))
+
+
+@pytest.mark.parametrize("kw,field", [({"expand_share": 1.0}, "expand_share"), ({"expand_share": -0.1}, "expand_share"),
+                                      ({"slow_budget": 0.0}, "slow_budget"), ({"slow_budget": True}, "slow_budget"),
+                                      ({"max_rank": 0}, "max_rank"), ({"offload": "disk"}, "offload"),
+                                      ({"zoom": "nearest"}, "zoom")])
+def test_config_refuses_out_of_range_fields(kw, field):
+    from kvstate.errors import KVStateError
+
+    with pytest.raises(KVStateError, match=f"SemanticConfig.{field}"):
+        SemanticConfig(**kw)
