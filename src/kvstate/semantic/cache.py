@@ -141,7 +141,8 @@ class SemanticCache(Cache):
         t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
         span_bytes = k.shape[1] * (2 * k.shape[3] + self.router.config.routing_dim) * k.element_size() + k.element_size()
-        share = 1.0 - self.config.expand_share if self.config.capped else 1.0  # uncapped zooms expand nothing / all
+        # "soft" (training) fits as "learned" does; "none" expands nothing and the "all" oracle everything
+        share = 1.0 - self.config.expand_share if self.config.zoom in ("learned", "similarity", "soft") else 1.0
         return t, token_bytes, span_bytes, int(share * self.config.budget * t * token_bytes)
 
     def _refuse(self, need: int, what: str) -> BudgetError:
@@ -154,7 +155,7 @@ class SemanticCache(Cache):
 
     def fit(self, surprisal_values: np.ndarray) -> Segmentation:
         """The segmentation whose fast tier fits ``(1 - expand_share) x budget`` of the context's full KV (the
-        whole budget for the uncapped zooms: ``"none"`` expands nothing, the ``"all"`` oracle everything)."""
+        whole budget for ``"none"``, which expands nothing, and the ``"all"`` oracle, which expands everything)."""
         t, token_bytes, span_bytes, budget = self._sizes()
         need = min_fast_bytes(t, self.config.segment, token_bytes, span_bytes)
         if need > budget:

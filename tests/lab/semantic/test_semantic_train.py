@@ -18,7 +18,8 @@ def test_train_router_freezes_base_and_round_trips(tmp_path):
     tok = build_tokenizer()
     model = tiny_model("qwen3", vocab_size=len(tok))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = TrainConfig(max_steps=3, lengths=(96,), segment=SegmentConfig(sinks=2, recent=8, max_span=8), budget=0.4)
+    cfg = TrainConfig(max_steps=3, lengths=(96,), segment=SegmentConfig(sinks=2, recent=8, max_span=8), budget=0.7,
+                      slow_budget=0.6)
     manifest = train_router(model, tok, tmp_path / "r", cfg, progress=False)
     assert manifest["steps"] == 3 and 0 < manifest["trainable_fraction"] < 0.05
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # base frozen
@@ -36,6 +37,8 @@ def test_train_config_out_of_range():
         TrainConfig(budget=0.0)
     with pytest.raises(KVStateError, match="lengths"):
         TrainConfig(lengths=(16,))
+    with pytest.raises(KVStateError, match="slow_budget"):
+        TrainConfig(slow_budget=0.0)
 
 
 def _run(methods, scores, model="m"):

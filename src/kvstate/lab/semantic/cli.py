@@ -23,7 +23,9 @@ def train_command(
     model: Annotated[Path, typer.Option(help="Base model directory (frozen).")],
     out: Annotated[Path, typer.Option(help="Where to write router.safetensors, manifest.json and README.md.")],
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 10.0,
-    budget: Annotated[float, typer.Option(help="Fast-tier budget (fraction of full KV) to train at.")] = 0.25,
+    budget: Annotated[float, typer.Option(help="Budget (fraction of full KV) to train at.")] = 0.25,
+    slow_budget: Annotated[float, typer.Option(help="Slow-tier budget (fraction of raw span K/V) the rank gates "
+                                                    "are trained under.")] = 0.25,
     lengths: Annotated[str, typer.Option("--length", "--lengths", help="Training context lengths, comma-separated.")] = "512,1024",
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
@@ -42,7 +44,7 @@ def train_command(
     from kvstate.models.loading import load_config
     from kvstate.semantic.router import MANIFEST, WEIGHTS, is_router_dir
 
-    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(parse_ints(lengths, "--length", lo=64)),
+    cfg = TrainConfig(minutes=minutes, budget=budget, slow_budget=slow_budget, lengths=tuple(parse_ints(lengths, "--length", lo=64)),
                       max_steps=max_steps, seed=seed)
     check_not_input(out, {"--model": model})
     check_output_dir(out, overwrite=overwrite, accept=is_router_dir,
