@@ -900,7 +900,7 @@ def api_axis_cases(server: _Server) -> None:
     api("SemanticCache(router trained for another model)", lambda: SemanticCache(ft, router))
     api("SemanticCache(config='fast')", lambda: SemanticCache(model, router, "fast"))  # type: ignore[arg-type]
     api("prefill_and_compress(valid 128 tokens)",
-        lambda: prefill_and_compress(model, SemanticCache(model, router, SemanticConfig(budget=0.5)),
+        lambda: prefill_and_compress(model, SemanticCache(model, router, SemanticConfig(budget=0.8)),
                                      torch.randint(5, 1000, (1, 128), generator=torch.Generator().manual_seed(0))),
         check=lambda r: tuple(r.shape) == (1, 128, 1490) and bool(torch.isfinite(r).all()))
     codec = server.codec

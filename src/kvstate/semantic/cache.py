@@ -3,9 +3,12 @@
 From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory". Prefill runs at
 full resolution (each attention layer is a ``DynamicLayer``); :meth:`SemanticCache.compress` then cuts
 the context into anchors and spans by its surprisal (:func:`surprisal`, from the prefill logits) so that
-the fast tier fits ``budget`` × the full KV bytes, and builds every layer's :class:`SpanStore`. Tokens fed
+the fast tier fits ``(1 - expand_share) x budget`` x the full KV bytes (the rest is for expanded spans,
+:class:`~kvstate.semantic.config.SemanticConfig`), and builds every layer's :class:`SpanStore`. Tokens fed
 afterwards (the question, decoded tokens) are kept at full resolution and compressed into spans as they
-leave the recent window. Attention over a compressed layer needs the ``"sekv"`` attention function::
+leave the recent window. :meth:`SemanticCache.byte_counts` reports the bytes held and read
+(:class:`~kvstate.semantic.accounting.ByteCounts`); :meth:`SemanticCache.slow_tier` the ranks against
+their caps. Attention over a compressed layer needs the ``"sekv"`` attention function::
 
     cache = SemanticCache(model, router, SemanticConfig(budget=0.25))
     prefill_and_compress(model, cache, context_ids)
@@ -20,7 +23,6 @@ and a context longer than the model's positions), and a cache refuses a router m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,35 +32,16 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvstate.errors import BudgetError, KVStateError, UnsupportedModelError
 from kvstate.models.families import family_of
+from kvstate.semantic.accounting import ByteCounts
 from kvstate.semantic.attention import SEKV
+from kvstate.semantic.config import SemanticConfig
+from kvstate.semantic.lowrank import byte_cap
 from kvstate.semantic.router import RouterConfig, SemanticRouter
-from kvstate.semantic.segment import Segmentation, SegmentConfig, fit_budget, span_weights
-from kvstate.semantic.store import SpanStore, Zoom
-from kvstate.validate import check_bool, check_float, check_int, check_token_ids
+from kvstate.semantic.segment import Segmentation, fast_bytes, fit_budget, min_fast_bytes, span_weights
+from kvstate.semantic.store import SpanStore
+from kvstate.validate import check_token_ids
 
-
-@dataclass(frozen=True)
-class SemanticConfig:
-    budget: float = 0.25  # fast-tier bytes / full-KV bytes of the context
-    segment: SegmentConfig = field(default_factory=SegmentConfig)
-    zoom: Zoom = "learned"  # "all" / "none": expand every / no span (oracle and ablation)
-    rank: int | None = None  # fixed slow-tier rank (>= head_dim: exact); None = the rank-gate predictor
-    slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
-    sticky: bool = True  # keep a span expanded for the rest of the request once zoomed into
-
-    def __post_init__(self) -> None:
-        check_float("SemanticConfig.budget", self.budget, 0.0, 1.0, lo_open=True, error=KVStateError,
-                    hint=" (fast-tier bytes / full KV bytes)")
-        if not isinstance(self.segment, SegmentConfig):
-            raise KVStateError(f"SemanticConfig.segment={self.segment!r} must be a SegmentConfig")
-        check_bool("SemanticConfig.slow_tier", self.slow_tier, error=KVStateError)
-        check_bool("SemanticConfig.sticky", self.sticky, error=KVStateError)
-        if self.zoom not in ("learned", "all", "none", "soft"):
-            raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be 'learned', 'all', 'none' or 'soft' (training)")
-        if not self.slow_tier and self.zoom != "none":
-            raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
-        if self.rank is not None:
-            check_int("SemanticConfig.rank", self.rank, 1, 1 << 16, error=KVStateError, hint=" or None (predicted)")
+__all__ = ["SemanticCache", "SemanticConfig", "SemanticLayer", "prefill_and_compress", "surprisal"]
 
 
 class SemanticLayer(DynamicLayer):
@@ -83,20 +66,16 @@ class SemanticLayer(DynamicLayer):
             raise KVStateError("this SemanticCache is compressed, but the model's attention is "
                                f"{self.owner.model_config._attn_implementation!r}; run the model inside "
                                "`with kvstate.semantic.semantic_attention(model):`")
-        c = self.owner.config
-        self.store.append(key_states, value_states, self.owner.router, self.layer_idx, c.rank,
-                          c.segment.recent, c.segment.max_span, c.slow_tier)
+        self.store.append(key_states, value_states, self.owner.router, self.layer_idx, self.owner.config)
         return self.store.anchor_k, self.store.anchor_v
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         assert self.store is not None
-        c = self.owner.config
-        return self.store.attend(query, scaling, self.owner.router, self.layer_idx, c.zoom, c.sticky)
+        return self.store.attend(query, scaling, self.owner.router, self.layer_idx, self.owner.config)
 
     def compress(self, seg: Segmentation, weights: list[np.ndarray]) -> None:
-        c = self.owner.config
         self.store = SpanStore.build(self.keys, self.values, seg, weights, self.owner.router, self.layer_idx,
-                                     c.rank, c.segment.recent, c.slow_tier)
+                                     self.owner.config)
         self.keys = self.values = None
 
     def get_seq_length(self) -> int:
@@ -153,16 +132,52 @@ class SemanticCache(Cache):
         if t == 0 or len(s) != t:
             raise KVStateError(f"SemanticCache.compress: got {len(s)} surprisal values for a prefilled context of "
                                f"{t} tokens; prefill the context first and pass one value per token")
-        k = layers[0].keys
+        seg = self.fit(s)
+        return self.compress_segmentation(seg, span_weights(s, seg))
+
+    def _sizes(self) -> tuple[int, int, int, int]:
+        """(context tokens, bytes per token, bytes per span summary, fast-tier budget bytes) per layer."""
+        k = self.semantic_layers[0].keys
+        t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
-        r = self.router.config.routing_dim
-        span_bytes = k.shape[1] * (2 * k.shape[3] + r) * k.element_size() + k.element_size()
-        budget = int(self.config.budget * t * token_bytes)
-        try:
-            seg = fit_budget(s, self.config.segment, budget, token_bytes, span_bytes)
-        except ValueError as exc:
-            raise BudgetError(f"budget {self.config.budget} of full KV: {exc}") from exc
-        weights = span_weights(s, seg)
+        span_bytes = k.shape[1] * (2 * k.shape[3] + self.router.config.routing_dim) * k.element_size() + k.element_size()
+        # "soft" (training) fits as "learned" does; "none" expands nothing and the "all" oracle everything
+        share = 1.0 - self.config.expand_share if self.config.zoom in ("learned", "similarity", "soft") else 1.0
+        return t, token_bytes, span_bytes, int(share * self.config.budget * t * token_bytes)
+
+    def _refuse(self, need: int, what: str) -> BudgetError:
+        t, token_bytes, _, budget = self._sizes()
+        share = budget / (self.config.budget * t * token_bytes)
+        return BudgetError(f"budget {self.config.budget} of full KV cannot hold the {what} of a {t}-token context "
+                           f"with expand_share={self.config.expand_share}: the minimum is {need} bytes per layer, "
+                           f"budget >= {need / (share * t * token_bytes):.4f}; raise the budget, lower expand_share, "
+                           "or lower sinks / recent / raise max_span")
+
+    def fit(self, surprisal_values: np.ndarray) -> Segmentation:
+        """The segmentation whose fast tier fits ``(1 - expand_share) x budget`` of the context's full KV (the
+        whole budget for ``"none"``, which expands nothing, and the ``"all"`` oracle, which expands everything)."""
+        t, token_bytes, span_bytes, budget = self._sizes()
+        need = min_fast_bytes(t, self.config.segment, token_bytes, span_bytes)
+        if need > budget:
+            raise self._refuse(need, "anchors (sinks, recent window) and span summaries")
+        return fit_budget(surprisal_values, self.config.segment, budget, token_bytes, span_bytes)
+
+    def check_fits(self, seg: Segmentation) -> None:
+        """Raise :class:`BudgetError` naming the minimum unless ``seg``'s fast tier fits the budget's share."""
+        _, token_bytes, span_bytes, budget = self._sizes()
+        need = fast_bytes(seg, token_bytes, span_bytes)
+        if need > budget:
+            raise self._refuse(need, "anchors and span summaries of this segmentation")
+
+    def compress_segmentation(self, seg: Segmentation, weights: list[np.ndarray]) -> Segmentation:
+        """Compress every attention layer by a given segmentation (``weights``: per span, summing to 1)."""
+        layers = self.semantic_layers
+        if any(layer.store is not None for layer in layers):
+            raise KVStateError("SemanticCache.compress: this cache is already compressed; compress once per context")
+        t = layers[0].keys.shape[2] if layers[0].keys is not None else 0
+        if seg.length != t:
+            raise KVStateError(f"SemanticCache.compress_segmentation: a segmentation of {seg.length} tokens for a "
+                               f"prefilled context of {t} tokens")
         for layer in layers:
             layer.compress(seg, weights)
         self.segmentation = seg
@@ -170,14 +185,54 @@ class SemanticCache(Cache):
 
     def nbytes(self) -> dict[str, int]:
         """Fast- and slow-tier bytes over all attention layers, plus the full-KV bytes of what was seen."""
-        fast = slow = full = 0
+        b = self.byte_counts()
+        return {"fast": sum(layer.nbytes()[0] for layer in self.semantic_layers),
+                "slow": b.total_bytes - b.resident_bytes, "full": b.full_bytes}
+
+    def byte_counts(self) -> ByteCounts:
+        """Resident, total, peak attended (over the passes since compression) and full KV bytes, all layers."""
+        resident = total = full = 0
+        reads: list[int] = []
         for layer in self.semantic_layers:
-            f, s = layer.nbytes()
-            fast, slow = fast + f, slow + s
-            src = layer.store.anchor_k if layer.store is not None else layer.keys
-            if src is not None:
-                full += 2 * src.shape[1] * src.shape[3] * src.element_size() * layer.seen
-        return {"fast": fast, "slow": slow, "full": full}
+            st = layer.store
+            if st is None:
+                kv = 0 if layer.keys is None else layer.keys.nbytes + layer.values.nbytes
+                resident, total, full = resident + kv, total + kv, full + kv
+                continue
+            r = st.fast_nbytes() + st.working_nbytes()
+            resident, total, full = resident + r, total + r + st.slow_nbytes(), full + st.full_nbytes()
+            reads = [x + y for x, y in zip(reads, st.reads, strict=True)] if reads else list(st.reads)
+        return ByteCounts(resident, total, max(reads) if reads else 0, full)
+
+    def read_ratios(self) -> list[float]:
+        """Per forward pass since compression: K/V bytes read / full KV bytes of the tokens seen then."""
+        layers = [layer.store for layer in self.semantic_layers if layer.store is not None]
+        if not layers:
+            return []
+        out = []
+        for i in range(len(layers[0].reads)):
+            out.append(sum(st.reads[i] for st in layers) / sum(st.full_at[i] for st in layers))
+        return out
+
+    def slow_tier(self) -> dict[str, Any]:
+        """The slow tier against its budget: bytes, raw span K/V bytes, and histograms of the span ranks
+        (keys and values) and of their byte caps ``n D / (n + D)``, over all attention layers."""
+        ranks: dict[int, int] = {}
+        caps: dict[int, int] = {}
+        slow = raw = 0
+        for layer in self.semantic_layers:
+            st = layer.store
+            if st is None:
+                continue
+            slow, raw = slow + st.slow_nbytes(), raw + st.raw_span_bytes
+            d = st.anchor_k.shape[3]
+            for (fk, fv), n in zip(st.slow, st.sizes, strict=True):
+                for f in (fk, fv):
+                    ranks[f.rank] = ranks.get(f.rank, 0) + 1
+                    c = byte_cap(n, d)
+                    caps[c] = caps.get(c, 0) + 1
+        return {"slow_bytes": slow, "raw_span_bytes": raw, "budget_bytes": int(self.config.slow_budget * raw),
+                "rank_histogram": dict(sorted(ranks.items())), "cap_histogram": dict(sorted(caps.items()))}
 
     def expanded_fraction(self) -> float:
         """Mean expanded fraction of span tokens over every attend call so far."""

@@ -6,7 +6,10 @@ a soft gate from the span's spectrum, and the span's rank is the number of gates
 least 1). ``A = U_r diag(S_r)`` (n, r) and ``B = V_r^T`` (r, D) are stored; ``A @ B`` reconstructs the
 tokens. At full rank ``r = min(n, D)`` the reconstruction is exact up to float rounding (the SVD runs in
 float64). A predicted rank is capped so the factors never take more bytes than the raw tokens
-(``n r + r D <= n D``); a fixed rank is used as given (full rank is the oracle in the tests). Ignored: a memory-mapped slow tier (tensors stay in CPU memory).
+(``n r + r D <= n D``); a fixed rank is used as given (full rank is the oracle in the tests). The cache
+allocates the predicted ranks of many spans under a slow-tier byte budget (:mod:`kvstate.semantic.ranks`)
+from :func:`svd` and :func:`truncate`; :class:`Raw` keeps a span's K/V as they are (the raw-offload
+ablation). Ignored: a memory-mapped slow tier (tensors stay in CPU memory).
 """
 
 from __future__ import annotations
@@ -37,6 +40,24 @@ class LowRank:
     def reconstruct(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
         out = self.a.to(device=device) @ self.b.to(device=device)  # (H, n, D)
         return out.to(dtype) if dtype is not None else out
+
+
+@dataclass
+class Raw:
+    """One span's K or V kept as is (H, n, D): the raw-offload ablation (rank = full, exact)."""
+
+    x: torch.Tensor  # (H, n, D)
+
+    @property
+    def rank(self) -> int:
+        return int(min(self.x.shape[1], self.x.shape[2]))
+
+    @property
+    def nbytes(self) -> int:
+        return self.x.nbytes
+
+    def reconstruct(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+        return self.x.to(device=device, dtype=dtype if dtype is not None else self.x.dtype)
 
 
 def spectrum_features(s: torch.Tensor, is_value: bool) -> torch.Tensor:
@@ -81,6 +102,25 @@ def rank_from_gates(gates: torch.Tensor) -> int:
     return max(1, int((gates.mean(0) > 0.5).sum()))
 
 
+def byte_cap(n: int, d: int) -> int:
+    """The largest rank whose factors take no more bytes than the raw tokens: ``n r + r D <= n D``."""
+    return max(1, (n * d) // (n + d))
+
+
+def gate_rank(s: torch.Tensor, gate: RankGate, is_value: bool) -> int:
+    """The predictor's rank of one span from its spectra (H, k), within the byte cap."""
+    with torch.no_grad():
+        return rank_from_gates(gate(s, is_value))
+
+
+def truncate(u: torch.Tensor, s: torch.Tensor, vh: torch.Tensor, rank: int, store_dtype: torch.dtype) -> LowRank:
+    """Keep the first ``rank`` singular triplets of an SVD (:func:`svd`) as factors."""
+    r = min(rank, s.shape[-1])
+    a = (u[..., :r] * s[..., None, :r]).to(store_dtype).contiguous()  # (H, n, r)
+    b = vh[..., :r, :].to(store_dtype).contiguous()  # (H, r, D)
+    return LowRank(a, b)
+
+
 def encode(x: torch.Tensor, rank: int | None, gate: RankGate | None, is_value: bool,
            store_dtype: torch.dtype = torch.float32) -> LowRank:
     """Encode one span (H, n, D) at a fixed ``rank`` (clipped to min(n, D)), or the gates' rank if None."""
@@ -91,17 +131,12 @@ def encode(x: torch.Tensor, rank: int | None, gate: RankGate | None, is_value: b
     if rank is None:
         if gate is None:
             raise ValueError("encode: pass a fixed rank or a RankGate")
-        with torch.no_grad():
-            r = rank_from_gates(gate(s, is_value))
-        # never store more than the raw tokens: n*r + r*D <= n*D
-        r = max(1, min(r, (x.shape[1] * x.shape[2]) // (x.shape[1] + x.shape[2])))
+        r = min(gate_rank(s, gate, is_value), byte_cap(x.shape[1], x.shape[2]))
     else:
         if rank < 1:
             raise ValueError(f"encode: rank={rank} must be >= 1")
         r = min(rank, k)
-    a = (u[..., :r] * s[..., None, :r]).to(store_dtype).contiguous()  # (H, n, r)
-    b = vh[..., :r, :].to(store_dtype).contiguous()  # (H, r, D)
-    return LowRank(a, b)
+    return truncate(u, s, vh, r, store_dtype)
 
 
 def gated_reconstruction(x: torch.Tensor, gate: RankGate, is_value: bool) -> tuple[torch.Tensor, torch.Tensor]:

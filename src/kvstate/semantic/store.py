@@ -1,34 +1,47 @@
-"""One attention layer's two-tier span store and its mixed-resolution attention.
+"""One attention layer's two-tier span store and its mixed-resolution attention, under a read budget.
 
 From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory":
 
 - *fast tier* (the model's device): full K/V of the anchors (sinks, surprisal anchors, recent window and
   every token fed after compression), and per span and KV head a summary key / value (mean of the
   span's keys / values), a routing summary (:meth:`SemanticRouter.route_keys`) and the span's log size;
-- *slow tier* (CPU): each span's keys and values as low-rank SVD factors (:mod:`kvstate.semantic.lowrank`).
+- *slow tier* (CPU): each span's keys and values as low-rank SVD factors (:mod:`kvstate.semantic.lowrank`),
+  ranks allocated under the slow-tier budget (:mod:`kvstate.semantic.ranks`), or raw (the ablation).
 
 :meth:`SpanStore.attend` is the mixed-resolution attention: anchors at full resolution; each
 unexpanded span as one entry ``(summary key, summary value)`` with ``log |S|`` added to its logit (the
-softmax weight of ``|S|`` copies of the summary); each expanded span as its reconstructed tokens. Spans
-are expanded per KV head when the relevance of any of that head's queries passes its threshold. With
-every span expanded at full rank this equals full attention. Bytes are the ``nbytes`` of the tensors
-held; span bookkeeping (positions) lives in the :class:`~kvstate.semantic.segment.Segmentation`.
-Ignored: asynchronous prefetch of the next layer's spans (on CPU there is no copy engine to overlap).
+softmax weight of ``|S|`` copies of the summary); each expanded span as its reconstructed tokens. A KV
+head wants a span when the relevance of any of its queries passes its threshold (``zoom="learned"``), or
+every span is a candidate ranked by ``q . mean key`` (``"similarity"``). The budget governs the reads:
+candidates are taken by relevance, most relevant first, while the fast tier plus the reconstructed
+spans (all heads of a chosen span: the union is what is materialised) stay within ``budget`` x the full
+KV of the tokens seen — as Quest's top-k is capped. With ``sticky`` the expanded spans form a working set
+that stays on the device and stays expanded while it fits; the least relevant span is evicted first.
+Tokens fed after compression fold into spans once ``max_span`` of them have left the recent window, or
+earlier (at least ``min_span``) when the fast tier alone would pass the budget. With every span expanded
+at full rank (``zoom="all"``, the uncapped oracle) this equals full attention. Bytes are the ``nbytes``
+of the tensors held and read (:mod:`kvstate.semantic.accounting`); span bookkeeping (positions) lives in
+the :class:`~kvstate.semantic.segment.Segmentation`. Ignored: asynchronous prefetch of the next layer's
+spans (on CPU there is no copy engine to overlap).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
-from kvstate.semantic.lowrank import LowRank, encode
+from kvstate.errors import BudgetError
+from kvstate.semantic.config import SemanticConfig, Zoom
+from kvstate.semantic.lowrank import LowRank, Raw, byte_cap, encode, gate_rank, svd, truncate
+from kvstate.semantic.ranks import allocate_ranks, rank_cost
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation
 
-Zoom = Literal["learned", "all", "none", "soft"]  # "soft": differentiable gates, for training only
+__all__ = ["SpanStore", "Zoom"]
+
+Factors = LowRank | Raw
 
 
 @dataclass
@@ -39,30 +52,81 @@ class SpanStore:
     sum_v: torch.Tensor  # (1, H, S, D) mean value per span
     route: torch.Tensor  # (H, S, R) normalised routing summary per span
     log_n: torch.Tensor  # (S,) log of each span's token count
-    slow: list[tuple[LowRank, LowRank]] = field(default_factory=list)  # per span: (keys, values), on CPU
+    sizes: list[int] = field(default_factory=list)  # per span: its token count
+    slow: list[tuple[Factors, Factors]] = field(default_factory=list)  # per span: (keys, values), on CPU
+    raw_span_bytes: int = 0  # raw K/V bytes of the spans in the slow tier (the slow budget's reference)
     n_tail: int = 0  # trailing anchor entries in the recent window (compressed when they leave it)
     expanded: list[float] = field(default_factory=list)  # per attend call: expanded fraction of span tokens
-    # working set: spans expanded at the last call, reconstructed; kept only while they stay expanded
+    reads: list[int] = field(default_factory=list)  # per attend call: K/V bytes materialised and read
+    full_at: list[int] = field(default_factory=list)  # per attend call: full K/V bytes of the tokens seen then
+    # working set: reconstructed K/V of the spans expanded at the last call; kept while they stay expanded
     _working: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    sticky: torch.Tensor | None = None  # (H, S) spans expanded so far in this request (kept expanded if sticky)
+    sticky: torch.Tensor | None = None  # (H, S) heads expanding each span of the working set (sticky only)
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
-              router: SemanticRouter, layer: int, rank: int | None, recent: int, slow_tier: bool = True) -> SpanStore:
+              router: SemanticRouter, layer: int, config: SemanticConfig) -> SpanStore:
         """Compress a full layer (1, H, T, D) by ``seg``; ``weights`` are per-span surprisal weights."""
         idx = torch.as_tensor(seg.anchors, dtype=torch.long)
+        h, d = keys.shape[1], keys.shape[3]
         store = cls(keys[:, :, idx].contiguous(), values[:, :, idx].contiguous(),
-                    keys.new_zeros(1, keys.shape[1], 0, keys.shape[3]), values.new_zeros(1, keys.shape[1], 0, keys.shape[3]),
-                    keys.new_zeros(keys.shape[1], 0, router.config.routing_dim), keys.new_zeros(0))
-        store.n_tail = int(min(recent, seg.length, len(seg.anchors)))
+                    keys.new_zeros(1, h, 0, d), values.new_zeros(1, h, 0, d),
+                    keys.new_zeros(h, 0, router.config.routing_dim), keys.new_zeros(0))
+        store.n_tail = int(min(config.segment.recent, seg.length, len(seg.anchors)))
         spans = [(int(a), int(b)) for a, b in seg.spans]
-        store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, rank,
-                         slow_tier)
+        store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, config,
+                         first=True)
         return store
 
+    @property
+    def n_spans(self) -> int:
+        return int(self.log_n.shape[0])
+
+    @property
+    def token_bytes(self) -> int:
+        """Full K/V bytes of one token over this layer's KV heads."""
+        k = self.anchor_k
+        return 2 * k.shape[1] * k.shape[3] * k.element_size()
+
+    def _slow_tier(self, keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]],
+                   config: SemanticConfig, router: SemanticRouter, first: bool) -> list[tuple[Factors, Factors]]:
+        """Slow-tier entries of spans [a, b) of keys / values (H, T, D), ranks allocated under the slow budget."""
+        parts = [(keys[:, a:b].cpu(), values[:, a:b].cpu()) for a, b in spans]
+        raw = sum(x.nbytes for k, v in parts for x in (k, v))
+        budget = int(config.slow_budget * (self.raw_span_bytes + raw)) - self.slow_nbytes()
+        self.raw_span_bytes += raw
+        if config.offload == "raw":
+            return [(Raw(k.clone()), Raw(v.clone())) for k, v in parts]
+        if config.rank is not None:  # a fixed rank: the oracle / ablation, outside the slow budget
+            return [(encode(k, config.rank, None, False, k.dtype), encode(v, config.rank, None, True, v.dtype))
+                    for k, v in parts]
+        h, d, e = keys.shape[0], keys.shape[2], keys.element_size()
+        svds, gains, costs, caps = [], [], [], []
+        for k, v in parts:
+            for x, is_v in ((k, False), (v, True)):
+                u, sv, vh = svd(x)
+                n = x.shape[1]
+                svds.append((u, sv, vh))
+                gains.append((sv**2).sum(0).numpy())  # energy per rank over heads: non-increasing
+                costs.append(rank_cost(n, d, h, e))
+                caps.append(min(gate_rank(sv, router.rank_gate, is_v), config.max_rank, byte_cap(n, d)))
+        try:
+            ranks = allocate_ranks(gains, costs, caps, budget)
+        except ValueError as exc:
+            if not first:  # a span folded during decoding keeps rank 1 (its share is spent below that)
+                ranks = np.ones(len(costs), dtype=np.int64)
+            else:
+                need = sum(costs)
+                raise BudgetError(f"SemanticConfig.slow_budget={config.slow_budget}: {exc} — "
+                                  f"slow_budget >= {need / raw:.4f} of the raw span K/V ({raw} bytes) for this "
+                                  "context; raise slow_budget, raise max_span (longer spans) or use offload='raw'") \
+                    from None
+        out = [truncate(*svds[i], int(ranks[i]), keys.dtype) for i in range(len(svds))]
+        return list(zip(out[0::2], out[1::2], strict=True))
+
     def _add_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]],
-                   weights: list[torch.Tensor], router: SemanticRouter, layer: int, rank: int | None,
-                   slow_tier: bool) -> None:
+                   weights: list[torch.Tensor], router: SemanticRouter, layer: int, config: SemanticConfig,
+                   first: bool = False) -> None:
         """Append spans [a, b) of keys / values (H, T, D) to both tiers."""
         if not spans:
             return
@@ -74,49 +138,92 @@ class SpanStore:
                 sv.append(v.mean(1))
                 rt.append(router.route_keys(layer, k, w).to(keys.dtype))
                 ln.append(float(np.log(b - a)))
-                if slow_tier:
-                    self.slow.append((encode(k.cpu(), rank, router.rank_gate, False, k.dtype),
-                                      encode(v.cpu(), rank, router.rank_gate, True, v.dtype)))
+            if config.slow_tier:
+                self.slow += self._slow_tier(keys, values, spans, config, router, first)
+        self.sizes += [b - a for a, b in spans]
         self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
         self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
         self.route = torch.cat([self.route, torch.stack(rt, 1)], 1)
         self.log_n = torch.cat([self.log_n, self.log_n.new_tensor(ln)])
 
-    @property
-    def n_spans(self) -> int:
-        return int(self.log_n.shape[0])
+    # -- bytes -----------------------------------------------------------------------------------------
+    def kv_nbytes(self) -> int:
+        """K/V read by every pass besides expansions: the anchors' and the span summaries'."""
+        return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.sum_k, self.sum_v))
 
     def fast_nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.sum_k, self.sum_v, self.route, self.log_n))
+        return self.kv_nbytes() + self.route.nbytes + self.log_n.nbytes
+
+    def working_nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self._working.values())
 
     def slow_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self.slow)
 
+    def full_nbytes(self) -> int:
+        """Full K/V bytes of every token this layer has seen (anchors and spans cover each once)."""
+        return (self.anchor_k.shape[2] + sum(self.sizes)) * self.token_bytes
+
+    def allowance(self, budget: float) -> int:
+        """Bytes the expanded spans may take now: ``budget`` x full KV minus the fast tier (never below 0)."""
+        return max(0, int(budget * self.full_nbytes()) - self.fast_nbytes())
+
+    # -- decoding ----------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, router: SemanticRouter, layer: int,
-               rank: int | None, recent: int, max_span: int, slow_tier: bool = True) -> None:
-        """Add fed tokens (1, H, t, D) at full resolution; compress the oldest once they leave the window."""
+               config: SemanticConfig) -> None:
+        """Add fed tokens (1, H, t, D) at full resolution; fold the oldest into spans once they leave the window."""
         self.anchor_k = torch.cat([self.anchor_k, keys], 2)
         self.anchor_v = torch.cat([self.anchor_v, values], 2)
         self.n_tail += keys.shape[2]
-        while self.n_tail > recent + max_span:
-            a = self.anchor_k.shape[2] - self.n_tail
-            k, v = self.anchor_k[0, :, a:a + max_span], self.anchor_v[0, :, a:a + max_span]
-            self._add_spans(k, v, [(0, max_span)], [torch.full((max_span,), 1.0 / max_span)], router, layer, rank,
-                            slow_tier)
-            keep = torch.ones(self.anchor_k.shape[2], dtype=torch.bool)
-            keep[a:a + max_span] = False
-            self.anchor_k, self.anchor_v = self.anchor_k[:, :, keep], self.anchor_v[:, :, keep]
-            self.n_tail -= max_span
+        seg = config.segment
+        while self.n_tail > seg.recent + seg.max_span:
+            self._fold(seg.max_span, router, layer, config)
+        out = self.n_tail - seg.recent  # fed tokens that left the window
+        if config.capped and out >= seg.min_span and self.fast_nbytes() > config.budget * self.full_nbytes():
+            self._fold(out, router, layer, config)
 
-    def decide(self, query: torch.Tensor, router: SemanticRouter, layer: int, zoom: Zoom) -> torch.Tensor:
-        """Which spans each KV head expands: query (Hq, Tq, D) → (H, S) bool."""
+    def _fold(self, n: int, router: SemanticRouter, layer: int, config: SemanticConfig) -> None:
+        """Fold the oldest ``n`` tail tokens into one span."""
+        a = self.anchor_k.shape[2] - self.n_tail
+        k, v = self.anchor_k[0, :, a:a + n], self.anchor_v[0, :, a:a + n]
+        self._add_spans(k, v, [(0, n)], [torch.full((n,), 1.0 / n)], router, layer, config)
+        keep = torch.ones(self.anchor_k.shape[2], dtype=torch.bool)
+        keep[a:a + n] = False
+        self.anchor_k, self.anchor_v = self.anchor_k[:, :, keep], self.anchor_v[:, :, keep]
+        self.n_tail -= n
+
+    def decide(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
+               zoom: Zoom) -> tuple[torch.Tensor, torch.Tensor]:
+        """Spans each KV head wants and their relevance: query (Hq, Tq, D) → (H, S) bool, (H, S) float."""
         h, s = self.sum_k.shape[1], self.n_spans
-        if zoom in ("all", "soft"):
-            return torch.ones(h, s, dtype=torch.bool)
-        if zoom == "none" or s == 0:
-            return torch.zeros(h, s, dtype=torch.bool)
-        hit = (router.zoom_logits(layer, query, self.route) > 0).any(1)  # relevance > threshold: (Hq, S)
-        return hit.view(h, -1, s).any(1)
+        if zoom in ("all", "soft", "none") or s == 0:
+            return torch.full((h, s), zoom in ("all", "soft")), torch.zeros(h, s)
+        g = query.shape[0] // h
+        if zoom == "similarity":  # SentenceKV-like: query . mean key, every span a candidate
+            qg = query.reshape(h, -1, query.shape[-1])  # (H, g*Tq, D)
+            score = (qg @ self.sum_k[0].transpose(-1, -2) * scaling).amax(1).float()  # (H, S)
+            return torch.ones(h, s, dtype=torch.bool), score
+        z = router.zoom_logits(layer, query, self.route).amax(1)  # (Hq, S): relevance - threshold
+        score = z.view(h, g, s).amax(1)  # (H, S)
+        return score > 0, score
+
+    def select(self, want: torch.Tensor, score: torch.Tensor, allowance: int | None) -> torch.Tensor:
+        """Spans to materialise (S,) bool: wanted ones by relevance (max over heads), most relevant first, while
+        their reconstructed K/V (all heads) fit ``allowance`` (None: no cap)."""
+        cand = want.any(0)
+        if allowance is None:
+            return cand
+        chosen = torch.zeros_like(cand)
+        best = score.masked_fill(~want, float("-inf")).amax(0)  # (S,)
+        idx = torch.nonzero(cand).flatten().tolist()
+        idx.sort(key=lambda i: (-float(best[i]), i))
+        used = 0
+        for i in idx:
+            cost = self.sizes[i] * self.token_bytes
+            if used + cost <= allowance:
+                chosen[i] = True
+                used += cost
+        return chosen
 
     def _reconstruct(self, chosen: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,12 +238,13 @@ class SpanStore:
         return rk, rv, owner
 
     def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
-               zoom: Zoom, sticky: bool = False) -> torch.Tensor:
+               config: SemanticConfig) -> torch.Tensor:
         """Mixed-resolution attention of the fed tokens' queries (1, Hq, Tq, D) → (1, Hq, Tq, D).
 
         The last Tq anchor entries are the fed tokens themselves (causal among each other). Query heads
         are grouped per KV head as rows (H, g * Tq) so no key or value is copied per query head.
         """
+        zoom = config.zoom
         q = query[0]  # (Hq, Tq, D)
         hq, tq, d = q.shape
         h = self.anchor_k.shape[1]
@@ -148,11 +256,15 @@ class SpanStore:
         logits = [(qg @ ka.transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]  # (H, g*Tq, A)
         vals = [va]
         with torch.no_grad():
-            expand = self.decide(q.detach(), router, layer, zoom)  # (H, S)
-            if sticky and zoom == "learned":  # a span zoomed into stays expanded for the rest of the request
-                if self.sticky is not None:
-                    expand[:, : self.sticky.shape[1]] |= self.sticky
+            want, score = self.decide(q.detach(), scaling, router, layer, zoom)  # (H, S)
+            sticky = config.sticky and config.capped and self.sticky is not None
+            if sticky:  # the working set stays a candidate; if it no longer fits, the least relevant goes
+                want[:, : self.sticky.shape[1]] |= self.sticky
+            chosen = self.select(want, score, self.allowance(config.budget) if config.capped else None)  # (S,)
+            expand = want & chosen[None, :]  # (H, S)
+            if config.sticky and config.capped:
                 self.sticky = expand.clone()
+        read = self.kv_nbytes()
         if self.n_spans:
             ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
             soft = None
@@ -162,19 +274,22 @@ class SpanStore:
             else:
                 logits.append(ls.masked_fill(expand[:, None, :], float("-inf")))
             vals.append(self.sum_v[0])
-            chosen = tuple(torch.nonzero(expand.any(0)).flatten().tolist())
-            if chosen:
-                rk, rv, owner = self._reconstruct(chosen, q.dtype, q.device)
+            picked = tuple(torch.nonzero(chosen).flatten().tolist())
+            if picked:
+                rk, rv, owner = self._reconstruct(picked, q.dtype, q.device)
+                read += rk.nbytes + rv.nbytes
                 le = qg @ rk.transpose(-1, -2) * scaling  # (H, g*Tq, n_exp)
                 if soft is not None:
                     logits.append(le + torch.log(soft[:, :, owner] + 1e-6))
                 else:
                     logits.append(le.masked_fill(~expand[:, owner][:, None, :], float("-inf")))
                 vals.append(rv)
-                n_tok = torch.exp(self.log_n).round()
-                self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
             else:
-                self.expanded.append(0.0)
+                self._working = {}
+            n_tok = torch.tensor(self.sizes, dtype=torch.float32)
+            self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
+        self.reads.append(read)
+        self.full_at.append(self.full_nbytes())
         p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)  # (H, g*Tq, A + S + n_exp)
         out = p @ torch.cat(vals, 1)  # (H, g*Tq, D)
         return out.reshape(1, hq, tq, d)

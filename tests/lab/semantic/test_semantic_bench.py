@@ -8,7 +8,7 @@ import pytest
 
 from kvstate.errors import KVStateError
 from kvstate.lab.semantic.baselines_kvpress import run_presses, snake
-from kvstate.lab.semantic.bench import run_method, summarise
+from kvstate.lab.semantic.bench import ROW_FIELDS, run_method, summarise
 from kvstate.lab.semantic.protocol import (
     MULTI_Q,
     build_items,
@@ -22,7 +22,8 @@ from kvstate.models import tiny_model
 from kvstate.semantic.segment import SegmentConfig
 
 FAKE_KVPRESS = textwrap.dedent('''
-    """A stand-in for kvpress: a press that keeps everything (so the runner must equal the full cache)."""
+    """A stand-in for kvpress: a press that keeps everything (so the runner must equal the full cache), and an
+    evicting one written as kvpress's StreamingLLMPress is (4 sinks + the most recent tokens, after prefill)."""
     import contextlib
 
     class KeepAllPress:
@@ -31,7 +32,38 @@ FAKE_KVPRESS = textwrap.dedent('''
 
         def __call__(self, model):
             return contextlib.nullcontext()
+
+    class EvictPress(KeepAllPress):
+        n_sink = 4
+
+        @contextlib.contextmanager
+        def __call__(self, model):
+            import torch
+
+            def hook(module, args, kwargs, output):
+                cache = kwargs.get("past_key_values") or kwargs.get("cache")
+                for layer in cache.layers:
+                    t = layer.keys.shape[2]
+                    kept = t - int(t * self.compression_ratio)
+                    idx = torch.cat([torch.arange(self.n_sink), torch.arange(t - kept + self.n_sink, t)])
+                    layer.keys, layer.values = layer.keys[:, :, idx], layer.values[:, :, idx]
+
+            handle = model.register_forward_hook(hook, with_kwargs=True)
+            try:
+                yield
+            finally:
+                handle.remove()
+
+    class BrokenPress(KeepAllPress):
+        def __call__(self, model):
+            raise RuntimeError("needs a GPU kernel")
 ''')
+
+
+def _fake_kvpress(tmp_path, monkeypatch):
+    (tmp_path / "fake" / "kvpress").mkdir(parents=True)
+    (tmp_path / "fake" / "kvpress" / "__init__.py").write_text(FAKE_KVPRESS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
 
 
 @pytest.fixture(scope="module")
@@ -54,28 +86,50 @@ def test_task_file_round_trip(tmp_path, model_dir):
 
 def test_runner_with_keep_all_press_equals_full_cache(tmp_path, model_dir, monkeypatch):
     d, model, tok = model_dir
-    (tmp_path / "fake" / "kvpress").mkdir(parents=True)
-    (tmp_path / "fake" / "kvpress" / "__init__.py").write_text(FAKE_KVPRESS)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    _fake_kvpress(tmp_path, monkeypatch)
     items = build_items(tok, "niah_single", 96, 1, 0) + build_items(tok, MULTI_Q, 128, 1, 0)
     got, errors = run_presses(Path(sys.executable), d, items,
-                              ["KeepAllPress", "MissingPress"], [0.5], tmp_path / "work")
+                              ["KeepAllPress", "MissingPress", "BrokenPress"], [0.5], tmp_path / "work")
     ref = run_method("full", model, tok, items, 1.0, None, SegmentConfig())
     assert [o.prediction for o in got] == [o.prediction for o in ref]
-    assert [o.fast_bytes for o in got] == [o.fast_bytes for o in ref]
+    for f in ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes"):
+        assert [getattr(o, f) for o in got] == [getattr(o, f) for o in ref]
     assert {o.method for o in got} == {"keep_all_press"} and {o.budget for o in got} == {0.5}
-    assert errors and "MissingPress" in errors[0]["error"]
+    why = {e["method"]: e["reason"] for e in errors}
+    assert "MissingPress" in why["missing_press"] and "needs a GPU kernel" in why["broken_press"]
+
+
+def test_runner_with_an_evicting_press_reports_the_kept_bytes(tmp_path, model_dir, monkeypatch):
+    d, model, tok = model_dir
+    _fake_kvpress(tmp_path, monkeypatch)
+    items = build_items(tok, "niah_single", 128, 2, 0)
+    got, errors = run_presses(Path(sys.executable), d, items, ["EvictPress"], [0.25], tmp_path / "work")
+    full = run_method("full", model, tok, items, 1.0, None, SegmentConfig())
+    assert not errors and len(got) == 2
+    layers, kv, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    token = layers * 2 * kv * dim * 4  # float32
+    for o, it in zip(got, items, strict=True):
+        t, q = len(it.context), len(it.questions[0])
+        kept = t - int(t * 0.75)
+        seen = t + q + o.decode_steps
+        assert o.resident_bytes == o.total_bytes == o.attended_bytes_peak == (kept + q + o.decode_steps) * token
+        assert o.full_bytes == seen * token and o.resident_bytes < 0.4 * o.full_bytes
+    assert [o.prediction for o in got] != [o.prediction for o in full] or all(o.score == 1 for o in full)
 
 
 def test_in_process_methods_and_summary(model_dir):
     _, model, tok = model_dir
     items = build_items(tok, "niah_single", 160, 1, 0)
     seg = SegmentConfig(sinks=2, recent=8, max_span=8)
-    rows = summarise(run_method("sekv", model, tok, items, 0.4, None, seg)
-                     + run_method("sentencekv", model, tok, items, 0.4, None, seg))
+    rows = summarise(run_method("sekv", model, tok, items, 0.7, None, seg, expand_share=0.3, slow_budget=0.6)
+                     + run_method("sentencekv", model, tok, items, 0.7, None, seg, expand_share=0.3))
     by = {r["method"]: r for r in rows}
-    assert by["sekv"]["n"] == 1 and by["sekv"]["slow_bytes"] > 0 and by["sentencekv"]["slow_bytes"] == 0
-    assert by["sekv"]["fast_bytes"] <= 0.4 * 4 * 2 * 2 * 16 * len(items[0].context) * 2
+    assert set(by["sekv"]) == set(ROW_FIELDS) and by["sekv"]["n"] == 1
+    lo, hi = by["sekv"]["score_ci"]
+    assert 0 <= lo <= by["sekv"]["score"] <= hi <= 1
+    for m in ("sekv", "sentencekv"):
+        r = by[m]
+        assert r["total_bytes"] > r["resident_bytes"] and r["attended_bytes_peak"] <= 0.7 * r["full_bytes"]
     with pytest.raises(ValueError, match="unknown in-process method"):
         run_method("h2o", model, tok, items, 0.4, None, seg)
 
@@ -127,11 +181,13 @@ def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
     count = sum(len(it.questions[0]) - 1 for it in items)
     rows = {r["method"] + str(i): r for i, rs in enumerate((full, exact, lossy)) for r in summarise(rs)}
     ref = math.exp(nll / count)
-    assert rows["full0"]["tokens"] == count and rows["full0"]["task"] == "ppl" and rows["full0"]["score"] == rows["full0"]["ppl"]
-    assert abs(rows["full0"]["ppl"] - ref) < 1e-4 * ref
+    assert sum(o.tokens for o in full) == count and rows["full0"]["task"] == "ppl"
+    assert abs(rows["full0"]["score"] - ref) < 1e-4 * ref
+    assert rows["full0"]["score_ci"][0] <= rows["full0"]["score"] <= rows["full0"]["score_ci"][1]
     assert all(abs(a.nll - b.nll) < 1e-4 for a, b in zip(full, exact, strict=True))
-    assert abs(rows["sekv1"]["ppl"] - rows["full0"]["ppl"]) < 1e-4 * ref and rows["sekv1"]["slow_bytes"] > 0
-    assert abs(rows["sekv2"]["ppl"] - ref) > 1e-3 * ref  # the oracle can fail
+    assert abs(rows["sekv1"]["score"] - rows["full0"]["score"]) < 1e-4 * ref
+    assert rows["sekv1"]["total_bytes"] > rows["sekv1"]["resident_bytes"]
+    assert abs(rows["sekv2"]["score"] - ref) > 1e-3 * ref  # the oracle can fail
 
 
 def test_cli_ppl_rows(tmp_path, model_dir):
@@ -144,10 +200,13 @@ def test_cli_ppl_rows(tmp_path, model_dir):
     d, _, _ = model_dir
     out = tmp_path / "eval.json"
     r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(d), "--task", "ppl", "--length", "96", "--n", "1",
-                                 "--methods", "full,sekv", "--budget", "0.5", "--save", str(out)])
+                                 "--methods", "full,sekv", "--budget", "0.8", "--recent", "8", "--max-span", "8", "--slow-budget", "0.6",
+                                 "--save", str(out)])
     assert r.exit_code == 0, r.output
     [run] = json.loads(out.read_text())["runs"]  # one run, with where it came from
     assert run["provenance"]["n"] == 1 and run["provenance"]["lengths"] == [96]
     rows = {x["method"]: x for x in run["results"]}
-    assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and x["tokens"] > 10 for x in rows.values())
-    assert 1 < rows["full"]["ppl"] == rows["full"]["score"] and rows["sekv"]["fast_bytes"] < rows["full"]["fast_bytes"]
+    assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and list(x) == list(ROW_FIELDS)
+                                                 for x in rows.values())
+    assert rows["full"]["score"] > 1 and rows["sekv"]["attended_bytes_peak"] <= 0.8 * rows["sekv"]["full_bytes"]
+    assert run["slow_tier"] and run["slow_tier"][0]["slow_bytes"] <= run["slow_tier"][0]["budget_bytes"]

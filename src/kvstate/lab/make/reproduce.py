@@ -61,9 +61,12 @@ def jobs() -> list[Job]:
         Job("prefix:tree-replay", f"models/ref-hybrid/{TREE_FILE}", TREE_CMD, 1800.0),
         *(_depth(name) for name in LABELS),
         *(_depth_decode(name) for name in (RCLA, KV1)),
-        Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 3600.0),
-        Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 3600.0),
-        Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 1800.0),
+        # the headline grid (3 budgets x 1K / 2K / 4K x 3 needle tasks x 100 items, 7 methods + 5 presses):
+        # scaled from smoke runs here, one thread, both cores busy (about 1.1 s per item and method-budget at
+        # 1K, 6.5 s at 2K / 4K on average), so about a day
+        Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 90000.0),
+        Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 5400.0),  # perplexity
+        Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 25000.0),
         # a partial run here: 141 of 1,421 items in 459 s with the other core busy
         Job("transfer:bench", f"models/{CODEC}/bench.json", TRANSFER_COMMAND, 4700.0),
     ]

@@ -5,8 +5,11 @@ so it never enters this process: :func:`ensure_env` creates ``.venv-kvpress`` (`
 torch==2.13.0 kvpress==0.5.5``, which resolves transformers 5.2.0 and loads the committed reference
 models unchanged), :func:`run_presses` writes the items to JSONL, runs
 ``kvstate/lab/semantic/kvpress_runner.py`` with that interpreter on the same model directory and reads its
-JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows. Presses that need files from a model hub
-(RestoreKV, QFilter, KVzap, DuoAttention, FastKVzip, LUKV) cannot run offline and are listed as not run.
+JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows, with the byte counts the runner measured
+in its own process. A press that could not run — one that needs files from a model hub (RestoreKV,
+QFilter, KVzap, DuoAttention, FastKVzip, LUKV), one kvpress lacks, one that raised, or every press when
+the environment cannot be created — is recorded as *not run* with the reason (:func:`not_run`), never
+as a score of 0.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.lab.semantic.bench import Outcome, score_prediction
@@ -59,9 +63,15 @@ def ensure_env(venv: Path, create: bool = True) -> Path:
     return py
 
 
+def not_run(presses: Sequence[str], budgets: Sequence[float], reason: str) -> list[dict[str, Any]]:
+    """One "not run" entry per press and budget, with the reason."""
+    return [{"method": snake(p), "budget": b, "reason": reason} for p in presses for b in budgets]
+
+
 def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str],
                 budgets: Sequence[float], workdir: Path, threads: int = 1) -> tuple[list[Outcome], list[dict]]:
-    """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and error rows."""
+    """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and "not run" entries (one per
+    press and budget that raised for any item, with the first reason)."""
     tasks, out = workdir / "kvpress_tasks.jsonl", workdir / "kvpress_results.jsonl"
     write_jsonl(tasks, items_to_rows(list(items)))
     cmd = [str(python), str(RUNNER), "--model", str(model_dir), "--tasks", str(tasks), "--out", str(out),
@@ -71,17 +81,24 @@ def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: S
     if done.returncode != 0:
         raise KVPressEnvError(f"the kvpress runner failed: {done.stderr.strip()[-800:]}")
     by_key = {(it.task, it.length, it.index): it for it in items}
-    outcomes, errors = [], []
+    outcomes, failed = [], {}
     for r in read_jsonl(out):
+        budget = round(1 - r["ratio"], 6)
         if "error" in r:
-            errors.append(r)
+            failed.setdefault((r["press"], budget), r["error"])
             continue
         it = by_key[(r["task"], r["length"], r["index"])]
         q = int(r["question"])
-        outcomes.append(Outcome(snake(r["press"]), round(1 - r["ratio"], 6), it.task, it.length, it.index, q,
-                                it.depth, score_prediction(it, q, r["prediction"]), r["prediction"],
-                                int(r["cache_bytes"]), 0, float(r["decode_s"]), int(r["decode_steps"]), None))
-    return outcomes, errors
+        outcomes.append(Outcome(snake(r["press"]), budget, it.task, it.length, it.index, q, it.depth,
+                                score_prediction(it, q, r["prediction"]), r["prediction"], int(r["resident_bytes"]),
+                                int(r["total_bytes"]), int(r["attended_bytes_peak"]), int(r["full_bytes"]),
+                                float(r["read_ratio_peak"]), float(r["decode_s"]), int(r["decode_steps"]), None))
+    outcomes = [o for o in outcomes if (_class(o.method, presses), o.budget) not in failed]  # all items or none
+    return outcomes, [{"method": snake(p), "budget": b, "reason": why} for (p, b), why in failed.items()]
+
+
+def _class(method: str, presses: Sequence[str]) -> str:
+    return next((p for p in presses if snake(p) == method), method)
 
 
 def versions(python: Path) -> dict[str, str]:

@@ -1,22 +1,28 @@
-"""Side-by-side benchmark: full KV, SEKV, in-project baselines and kvpress presses, one protocol.
+"""Side-by-side benchmark: full KV, SEKV, in-project baselines and kvpress presses, one protocol, one budget.
 
 Every method sees the same generated items (:mod:`kvstate.lab.semantic.protocol`): the context is
 prefilled and compressed without the question, each question is fed afterwards to a copy of the
 compressed cache and its answer decoded greedily (:func:`kvstate.lab.decode.greedy_decode`), then
-scored with RULER's metric. The budget is the fast-tier bytes relative to the full KV of the context,
-the same for every method (kvpress: its ``compression_ratio`` = 1 - budget). In-process methods:
+scored with RULER's metric (``niah_4q``: four questions on one compressed cache). The budget caps what a
+method keeps on the device *and* reads per forward pass: ``budget`` x the full KV of the tokens seen
+(kvpress: ``compression_ratio = 1 - budget``). Every outcome carries the four byte counts measured from
+the tensors (:class:`kvstate.semantic.accounting.ByteCounts`). In-process methods:
 
 - ``full``: ``DynamicCache``;
-- ``sekv``: :class:`SemanticCache` with the router (trained one if given);
-- ``sentencekv``: a SentenceKV-like static semantic grouping, labelled as such — spans are sentences
-  (cut at ``.``), kept as summaries only and never expanded, anchors fill the budget by sentence
-  starts then recency; it runs through the same cache with ``zoom="none"``;
-- ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.lab.semantic.quest`), labelled as such.
+- ``sekv``: :class:`SemanticCache` with the router (trained one if given), the budgeted sticky working
+  set; ``sekv_fresh``: the same deciding afresh at every call (no working set); ``sekv_raw``: the slow
+  tier kept raw (rank = full) — the ablation that measures what low rank buys;
+- ``sentencekv``: a SentenceKV-like sentence-level retrieval, labelled as such — sentences (cut after
+  ``.``) are spans whose mean keys stay on the device; the raw sentence K/V is offloaded and the
+  sentences whose mean key scores highest against the query are read back within the budget
+  (``zoom="similarity"``, ``offload="raw"``);
+- ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.lab.semantic.quest`);
+- ``streaming``: StreamingLLM-like sinks + rolling window; ``window``: the window only
+  (:mod:`kvstate.lab.semantic.window`).
 
 ``ppl`` items (held-out perplexity, compress-then-continue) feed their continuation one token at a time
 to the compressed cache and score each next token (:func:`kvstate.lab.perplexity.continuation_nll`);
-a row's ``score`` (and ``ppl``) is then ``exp(total NLL / scored tokens)`` over its items (lower is
-better), not an accuracy.
+a row's ``score`` is then ``exp(total NLL / scored tokens)`` over its items (lower is better).
 
 kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselines_kvpress`).
 """
@@ -24,6 +30,7 @@ kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselin
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,16 +39,21 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer
 from kvstate.lab.semantic.protocol import PPL, Item
+from kvstate.semantic.accounting import ByteCounts, evicting_bytes
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
 from kvstate.semantic.router import SemanticRouter
-from kvstate.semantic.segment import SegmentConfig
+from kvstate.semantic.segment import Segmentation, SegmentConfig, forced_mask, spans_from_anchors
 
-IN_PROCESS = ("full", "sekv", "sentencekv", "quest")
+SEKV_METHODS = ("sekv", "sekv_fresh", "sekv_raw")
+IN_PROCESS = ("full", *SEKV_METHODS, "sentencekv", "quest", "streaming", "window")
+ROW_FIELDS = ("method", "budget", "task", "length", "n", "score", "score_ci", "resident_bytes", "total_bytes",
+              "attended_bytes_peak", "full_bytes", "expanded_fraction", "decode_ms_per_token")
 
 
 @dataclass(frozen=True)
@@ -57,11 +69,14 @@ class Outcome:
     depth: float | None
     score: float
     prediction: str
-    fast_bytes: int  # bytes held in the fast tier right after compression (all bytes for eviction methods)
-    slow_bytes: int  # bytes held in the slow tier (CPU) right after compression
+    resident_bytes: int  # on the device after the answer (kept K/V, summaries, metadata, working set)
+    total_bytes: int  # every tier after the answer
+    attended_bytes_peak: int  # largest K/V read by one forward pass while answering
+    full_bytes: int  # full K/V of the tokens seen (context, question, answer)
+    read_ratio_peak: float  # max over the passes of (K/V read / full K/V of the tokens seen then)
     decode_s: float  # wall time of the single-token decode steps
     decode_steps: int
-    expanded: float | None  # SEKV: mean expanded fraction of span tokens over the question's forward calls
+    expanded: float | None  # SEKV / Quest / SentenceKV: mean fraction of span (page) tokens read at full resolution
     nll: float | None = None  # ppl items: summed next-token NLL of the continuation (nats)
     tokens: int = 0  # ppl items: continuation tokens scored
 
@@ -77,60 +92,126 @@ def _answer(model: Any, cache: Any, question: list[int], start: int, max_new: in
     return tokenizer.decode(res.tokens, skip_special_tokens=True), res.decode_s, res.steps
 
 
-def sentence_score(tokenizer: Any, ids: list[int]) -> np.ndarray:
-    """SentenceKV-like anchor score: 1 at each sentence's first token, then a small recency ramp."""
+def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig) -> Segmentation:
+    """SentenceKV-like spans: whole sentences (each ending at a ``.`` token) packed in order into spans of at
+    most ``max_span`` tokens (a longer sentence split evenly); sinks, recent window and pieces shorter than
+    ``min_span`` stay anchors."""
     period = tokenizer.convert_tokens_to_ids(".")
-    arr = np.asarray(ids)
-    starts = np.zeros(len(arr))
-    starts[1:] = (arr[:-1] == period).astype(float)
-    return starts + 1e-3 * np.arange(len(arr)) / max(len(arr), 1)
+    forced = forced_mask(len(ids), config)
+    free = np.flatnonzero(~forced)
+    if not len(free):
+        return spans_from_anchors(forced, config)
+    lo, hi = int(free[0]), int(free[-1]) + 1
+    cuts = [lo, *(i + 1 for i in range(lo, hi - 1) if ids[i] == period), hi]
+    spans: list[tuple[int, int]] = []
+    for a, b in itertools.pairwise(cuts):  # one sentence [a, b)
+        if spans and b - spans[-1][0] <= config.max_span and spans[-1][1] == a:
+            spans[-1] = (spans[-1][0], b)  # the sentence joins the open span
+        else:
+            pieces = -(-(b - a) // config.max_span)
+            bounds = [a + ((b - a) * i) // pieces for i in range(pieces + 1)]
+            spans += list(itertools.pairwise(bounds))
+    kept = [(a, b) for a, b in spans if b - a >= config.min_span]
+    mask = np.ones(len(ids), dtype=bool)
+    for a, b in kept:
+        mask[a:b] = False
+    return Segmentation(len(ids), np.flatnonzero(mask).astype(np.int64), np.array(kept, dtype=np.int64).reshape(-1, 2))
+
+
+def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
+                  slow_budget: float = 0.25) -> SemanticConfig:
+    """The cache settings of an in-process method at ``budget`` (``full`` has none)."""
+    share = {"expand_share": expand_share}
+    if method in SEKV_METHODS:
+        return SemanticConfig(budget=budget, segment=segment, slow_budget=slow_budget, sticky=method != "sekv_fresh",
+                              offload="raw" if method == "sekv_raw" else "lowrank", **share)
+    if method == "sentencekv":
+        return SemanticConfig(budget=budget, segment=segment, zoom="similarity", offload="raw", sticky=False, **share)
+    if method == "window":
+        return SemanticConfig(budget=budget, segment=SegmentConfig(sinks=0, recent=segment.recent), zoom="none",
+                              slow_tier=False)
+    return SemanticConfig(budget=budget, segment=segment, zoom="none", slow_tier=False)  # quest, streaming
+
+
+def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
+                     router: SemanticRouter | None, segment: SegmentConfig,
+                     config: SemanticConfig | None = None, expand_share: float = 0.5,
+                     slow_budget: float = 0.25) -> Any:
+    """Prefill ``item``'s context into a fresh cache of ``method`` and compress it (``full``: not compressed)."""
+    ctx = torch.tensor([item.context])
+    pos = torch.arange(ctx.shape[1])[None]
+    if method == "full":
+        cache: Any = DynamicCache(config=model.config)
+        model(input_ids=ctx, position_ids=pos, cache=cache, use_cache=True)
+        return cache
+    from kvstate.lab.semantic.quest import QuestCache
+    from kvstate.lab.semantic.window import WindowCache
+
+    cfg = config if config is not None and method in SEKV_METHODS else \
+        method_config(method, budget, segment, expand_share, slow_budget)
+    kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
+    cache = kind(model, router if method in SEKV_METHODS else None, cfg)
+    logits = model(input_ids=ctx, position_ids=pos, cache=cache, use_cache=True).logits
+    if method in SEKV_METHODS:
+        cache.compress(surprisal(logits, ctx))
+    elif method == "sentencekv":
+        seg = sentence_segmentation(tokenizer, item.context, cfg.segment)
+        cache.check_fits(seg)
+        cache.compress_segmentation(seg, [np.full(b - a, 1.0 / (b - a)) for a, b in seg.spans])
+    else:
+        cache.compress()
+    return cache
+
+
+def counts(method: str, cache: Any) -> tuple[ByteCounts, float]:
+    """Byte counts of a cache after an answer and its peak read ratio (K/V read / full K/V, over passes)."""
+    if method == "full":
+        return evicting_bytes(cache, cache.get_seq_length()), 1.0
+    ratios = cache.read_ratios()
+    return cache.byte_counts(), max(ratios) if ratios else 0.0
+
+
+def _outcome(method: str, budget: float, it: Item, q: int, score: float, pred: str, cache: Any, dt: float,
+             steps: int, nll: float | None = None, tokens: int = 0) -> Outcome:
+    b, ratio = counts(method, cache)
+    expanded = cache.expanded_fraction() if method in (*SEKV_METHODS, "sentencekv", "quest") else None
+    return Outcome(method, budget, it.task, it.length, it.index, q, it.depth if it.task != PPL else None, score, pred,
+                   b.resident_bytes, b.total_bytes, b.attended_bytes_peak, b.full_bytes, ratio, dt, steps, expanded,
+                   nll, tokens)
 
 
 @torch.no_grad()
 def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], budget: float,
                router: SemanticRouter | None, segment: SegmentConfig,
-               progress: Callable[[], None] | None = None, config: SemanticConfig | None = None) -> list[Outcome]:
+               progress: Callable[[], None] | None = None, config: SemanticConfig | None = None,
+               slow_log: list[dict[str, Any]] | None = None, expand_share: float = 0.5,
+               slow_budget: float = 0.25) -> list[Outcome]:
     """Answer every question of ``items`` under one in-process method at one budget.
 
-    ``config`` replaces SEKV's cache settings (e.g. ``zoom="all"`` at full rank: the exact oracle).
+    ``config`` replaces SEKV's cache settings (e.g. ``zoom="all"`` at full rank: the exact oracle);
+    ``expand_share`` / ``slow_budget`` otherwise set the share of the budget kept for reads and the slow tier;
+    ``slow_log`` receives each SEKV cache's slow tier (bytes, rank and cap histograms) after compression.
     """
     if method not in IN_PROCESS:
         raise ValueError(f"unknown in-process method {method!r}; choose from {IN_PROCESS}")
     outcomes: list[Outcome] = []
-    cfg = config
     eos = tokenizer.eos_token_id
     for it in items:
-        ctx = torch.tensor([it.context])
-        tc = ctx.shape[1]
-        if method == "full":
-            cache: Any = DynamicCache(config=model.config)
-            model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache, use_cache=True)
-            fast = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers  # attention layers only
-                       if getattr(layer, "keys", None) is not None)
-            slow = 0
-        else:
-            from kvstate.lab.semantic.quest import QuestCache
-
-            zoom = "learned" if method == "sekv" else "none"
-            config = SemanticConfig(budget=budget, segment=segment, zoom=zoom, slow_tier=method == "sekv") \
-                if method != "sekv" or cfg is None else cfg
-            cache = QuestCache(model, router, config) if method == "quest" else SemanticCache(model, router, config)
-            logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache, use_cache=True).logits
-            score = surprisal(logits, ctx) if method == "sekv" else torch.as_tensor(sentence_score(tokenizer, it.context))
-            cache.compress(score)
-            nb = cache.nbytes()
-            fast, slow = nb["fast"], nb["slow"]
+        cache = compressed_cache(method, model, tokenizer, it, budget, router, segment, config, expand_share,
+                                 slow_budget)
+        tc = len(it.context)
+        if slow_log is not None and method in SEKV_METHODS:
+            slow_log.append({"method": method, "budget": budget, "task": it.task, "length": it.length,
+                             "index": it.index, **cache.slow_tier()})
         if it.task == PPL:  # compress, then continue: no copy needed, one continuation per context
+            ids = it.context + it.questions[0]
             if method == "full":
-                got = continuation_nll(model, it.context + it.questions[0], tc, cache, stepwise=True)
-                expanded = None
+                got = continuation_nll(model, ids, tc, cache, stepwise=True)
             else:
                 with semantic_attention(model):
-                    got = continuation_nll(model, it.context + it.questions[0], tc, cache, stepwise=True)
-                expanded = cache.expanded_fraction() if method in ("sekv", "quest") else 0.0
-            outcomes.append(Outcome(method, budget, it.task, it.length, it.index, 0, None,
-                                    pooled_perplexity([got]), "", fast, slow, got.seconds, got.tokens, expanded,
-                                    got.nll, got.tokens))
+                    got = continuation_nll(model, ids, tc, cache, stepwise=True)
+            outcomes.append(_outcome(method, budget, it, 0, pooled_perplexity([got]), "", cache, got.seconds,
+                                     got.tokens, got.nll, got.tokens))
             if progress is not None:
                 progress()
             continue
@@ -139,20 +220,24 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
                 if method != "full" else copy.deepcopy(cache)
             if method == "full":
                 pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
-                expanded = None
             else:
                 with semantic_attention(model):
                     pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
-                expanded = work.expanded_fraction() if method in ("sekv", "quest") else 0.0
-            outcomes.append(Outcome(method, budget, it.task, it.length, it.index, qi, it.depth,
-                                    score_prediction(it, qi, pred), pred, fast, slow, dt, steps, expanded))
+            outcomes.append(_outcome(method, budget, it, qi, score_prediction(it, qi, pred), pred, work, dt, steps))
         if progress is not None:
             progress()
     return outcomes
 
 
+def _score_ci(task: str, g: Sequence[Outcome]) -> stats.Estimate:
+    if task == PPL:
+        return stats.perplexity([o.nll or 0.0 for o in g], [max(o.tokens, 1) for o in g])
+    return stats.rate([o.score for o in g])
+
+
 def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-    """One row per (method, budget, task, length): the issue's JSON fields plus n and expansion."""
+    """One row per (method, budget, task, length), exactly :data:`ROW_FIELDS`: ``n`` questions (texts for
+    ``ppl``), the score with its 95% interval (:mod:`kvstate.lab.stats`), mean byte counts per question."""
     groups: dict[tuple[str, float, str, int], list[Outcome]] = {}
     for o in outcomes:
         groups.setdefault((o.method, o.budget, o.task, o.length), []).append(o)
@@ -161,17 +246,36 @@ def summarise(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
         steps = sum(o.decode_steps for o in g)
         exp = [o.expanded for o in g if o.expanded is not None]
         ppl = pooled_perplexity(TextNLL(o.nll or 0.0, o.tokens, o.decode_s) for o in g) if task == PPL else None
+        est = _score_ci(task, g)
         rows.append({"method": method, "budget": budget, "task": task, "length": length, "n": len(g),
                      "score": round(ppl, 4) if ppl is not None else round(float(np.mean([o.score for o in g])), 4),
-                     "fast_bytes": int(np.mean([o.fast_bytes for o in g])),
-                     "slow_bytes": int(np.mean([o.slow_bytes for o in g])),
-                     "decode_ms_per_token": round(1000 * sum(o.decode_s for o in g) / max(steps, 1), 3),
+                     "score_ci": [round(est.lo, 4), round(est.hi, 4)],
+                     **{f: int(np.mean([getattr(o, f) for o in g]))
+                        for f in ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes")},
                      "expanded_fraction": round(float(np.mean(exp)), 4) if exp else None,
-                     **({"ppl": round(ppl, 4), "tokens": sum(o.tokens for o in g)} if ppl is not None else {})})
+                     "decode_ms_per_token": round(1000 * sum(o.decode_s for o in g) / max(steps, 1), 3)})
     return rows
 
 
 def cells(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
-    """Per-question results with needle depth (for the length x depth heatmap)."""
+    """Per-question results (the length x depth heatmap, paired comparisons, the per-item budget check)."""
     return [{"method": o.method, "budget": o.budget, "task": o.task, "length": o.length, "index": o.index,
-             "question": o.question, "depth": o.depth, "score": o.score} for o in outcomes]
+             "question": o.question, "depth": o.depth, "score": o.score, "attended_bytes_peak": o.attended_bytes_peak,
+             "full_bytes": o.full_bytes, "read_ratio_peak": round(o.read_ratio_peak, 6)} for o in outcomes]
+
+
+def slow_summary(log: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The slow tier per (method, budget, length): bytes against the budget and the rank / cap histograms of
+    every span's keys and values over its items."""
+    groups: dict[tuple[str, float, int], dict[str, Any]] = {}
+    for e in log:
+        g = groups.setdefault((e["method"], e["budget"], e["length"]), {
+            "method": e["method"], "budget": e["budget"], "length": e["length"], "items": 0, "slow_bytes": 0,
+            "raw_span_bytes": 0, "budget_bytes": 0, "rank_histogram": {}, "cap_histogram": {}})
+        g["items"] += 1
+        for k in ("slow_bytes", "raw_span_bytes", "budget_bytes"):
+            g[k] += e[k]
+        for k in ("rank_histogram", "cap_histogram"):
+            for r, c in e[k].items():
+                g[k][str(r)] = g[k].get(str(r), 0) + c
+    return list(groups.values())

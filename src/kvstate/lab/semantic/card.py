@@ -67,11 +67,16 @@ def render_card(model_dir: Path, manifest: dict[str, Any], evaluation: dict[str,
         lines += ["", "## Evaluation (`eval.json`)", "", f"Command: `{evaluation.get('command', '')}`", "",
                   "Scores are accuracies, except task `ppl`: held-out perplexity (compress the context, then continue; "
                   "lower is better).", "",
-                  "| method | budget | task | length | score | fast bytes | slow bytes | ms / token |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|"]
+                  "| method | budget | task | length | n | score | 95% CI | resident | total | attended peak | full | "
+                  "ms / token |",
+                  "|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
         for r in evaluation["results"]:
-            lines.append(f"| {r['method']} | {r['budget']} | {r['task']} | {r['length']} | {r['score']:.3f} | "
-                         f"{r['fast_bytes']:,} | {r['slow_bytes']:,} | {r['decode_ms_per_token']:.2f} |")
+            ci = r.get("score_ci")
+            lines.append(f"| {r['method']} | {r['budget']} | {r['task']} | {r['length']} | {r.get('n', '')} | "
+                         f"{r['score']:.3f} | {'' if ci is None else f'[{ci[0]:.3f}, {ci[1]:.3f}]'} | "
+                         + " | ".join(f"{r[k]:,}" if k in r else "–" for k in
+                                      ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes"))
+                         + f" | {r['decode_ms_per_token']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,9 @@ def train_command(
     model: Annotated[Path, typer.Option(help="Base model directory (frozen).")],
     out: Annotated[Path, typer.Option(help="Where to write router.safetensors, manifest.json and README.md.")],
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 10.0,
-    budget: Annotated[float, typer.Option(help="Fast-tier budget (fraction of full KV) to train at.")] = 0.25,
+    budget: Annotated[float, typer.Option(help="Budget (fraction of full KV) to train at.")] = 0.25,
+    slow_budget: Annotated[float, typer.Option(help="Slow-tier budget (fraction of raw span K/V) the rank gates "
+                                                    "are trained under.")] = 0.25,
     lengths: Annotated[str, typer.Option("--length", "--lengths", help="Training context lengths, comma-separated.")] = "512,1024",
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
@@ -42,7 +44,7 @@ def train_command(
     from kvstate.models.loading import load_config
     from kvstate.semantic.router import MANIFEST, WEIGHTS, is_router_dir
 
-    cfg = TrainConfig(minutes=minutes, budget=budget, lengths=tuple(parse_ints(lengths, "--length", lo=64)),
+    cfg = TrainConfig(minutes=minutes, budget=budget, slow_budget=slow_budget, lengths=tuple(parse_ints(lengths, "--length", lo=64)),
                       max_steps=max_steps, seed=seed)
     check_not_input(out, {"--model": model})
     check_output_dir(out, overwrite=overwrite, accept=is_router_dir,
@@ -62,22 +64,31 @@ def default_router_dir(model: Path) -> Path:
 
 # the source a semantic evaluation depends on: a change here makes committed eval.json files stale
 EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/quest.py",
-             "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py", "lab/decode.py",
-             "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py")
+             "lab/semantic/window.py", "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
+             "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py")
+DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sentencekv,quest,streaming,kvpress"
 
 
 @app.command("eval")
 def eval_command(
     model: Annotated[Path, typer.Option(help="Model directory.")],
-    budget: Annotated[str, typer.Option(help="Fast-tier budgets (fraction of full KV), comma-separated.")] = "0.25",
-    task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks, niah_4q, and ppl: held-out "
-                                           "perplexity, compress the context then continue).")] = "niah_single",
+    budget: Annotated[str, typer.Option(help="Budgets: (kept + read) bytes / full KV bytes of the tokens seen, "
+                                             "comma-separated.")] = "0.25,0.125,0.0625",
+    task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks, niah_4q: four questions on one "
+                                           "compressed cache, and ppl: held-out perplexity, compress the context then "
+                                           "continue).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
-    methods: Annotated[str, typer.Option(help="full, sekv, sentencekv, quest, kvpress (its default presses) or press "
-                                              "class names, comma-separated.")] = "full,sekv,sentencekv,quest,kvpress",
+    methods: Annotated[str, typer.Option(help="full, sekv, sekv_fresh, sekv_raw, sentencekv, quest, streaming, window, "
+                                              "kvpress (its default presses) or press class names, comma-separated.")
+                       ] = DEFAULT_METHODS,
     n: Annotated[int, typer.Option(min=1, help="Items per task and length.")] = 4,
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items (reported numbers: >= 1000).")] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
+    recent: Annotated[int, typer.Option(min=0, help="Recent-window tokens kept at full resolution.")] = 32,
+    max_span: Annotated[int, typer.Option(min=3, help="Longest span (SEKV, SentenceKV).")] = 32,
+    expand_share: Annotated[float, typer.Option(help="Share of the budget kept free at compression for expanded "
+                                                     "spans (SEKV, SentenceKV).")] = 0.5,
+    slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes.")] = 0.25,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(
         "--out", "--save", help="Append this run, with its provenance, to a result file (e.g. DIR/eval.json).")] = None,
@@ -85,7 +96,7 @@ def eval_command(
     threads: Annotated[int, typer.Option(help="torch threads (also for the kvpress runner).")] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
-    """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines."""
+    """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines, one byte budget."""
     import tempfile
 
     from rich.table import Table
@@ -103,16 +114,17 @@ def eval_command(
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
-    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, summarise
+    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, slow_summary, summarise
     from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
     from kvstate.models.loading import load_config
+    from kvstate.semantic.config import SemanticConfig
     from kvstate.semantic.router import RouterConfig, SemanticRouter
     from kvstate.semantic.segment import SegmentConfig
 
     console = notes_console()
     set_threads(threads)
-    budgets = parse_floats(budget, "--budget", lo=0.0, lo_open=True, hi=1.0, example="0.5,0.25,0.125")
+    budgets = parse_floats(budget, "--budget", lo=0.0, lo_open=True, hi=1.0, example="0.25,0.125,0.0625")
     lengths = parse_ints(length, "--length", lo=64, example="1024,2K")
     tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL], example="niah_single,ppl")
     chosen = parse_names(methods, "--methods", example="full,sekv,kvpress")
@@ -126,6 +138,11 @@ def eval_command(
                            f"{', '.join(kp.DEFAULT_PRESSES)}); list each press once")
     if not 1 <= n <= MAX_EXAMPLES:
         raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (items per task and length)")
+    try:
+        segment = SegmentConfig(recent=recent, max_span=max_span)
+        SemanticConfig(expand_share=expand_share, slow_budget=slow_budget, segment=segment)
+    except ValueError as exc:  # name the option, not the dataclass field
+        raise KVStateError(f"--recent / --max-span / --expand-share / --slow-budget: {exc}") from None
     venv_ok = not kvpress_venv.exists() or (kvpress_venv / "bin" / "python").is_file() or (
         kvpress_venv.is_dir() and not any(kvpress_venv.iterdir()))
     if presses and not venv_ok:  # `python -m venv` would write into whatever directory is there
@@ -136,11 +153,13 @@ def eval_command(
     config = load_config(model)  # the config alone: lengths are checked before the weights are read
     check_lengths_fit(config, [L + (CONTINUATION if PPL in tasks else 0) for L in lengths])
     rec = Recorder(code=EVAL_CODE, models=[model, *([router] if router is not None else [])], n=n, seeds=[seed],
-                   tasks=tasks, lengths=lengths, settings={"budgets": budgets, "methods": chosen, "threads": threads})
+                   tasks=tasks, lengths=lengths,
+                   settings={"budgets": budgets, "methods": chosen, "threads": threads, "recent": recent,
+                             "max_span": max_span, "expand_share": expand_share, "slow_budget": slow_budget})
     base, tok = load_reference(model)
     rdir = router if router is not None else default_router_dir(model)
     if (rdir / "router.safetensors").is_file():
-        sekv_router = SemanticRouter.load(rdir, base)
+        sekv_router = SemanticRouter.load(rdir, base)  # refuses a router trained for another model
         router_note = str(rdir)
     elif router is not None:
         raise KVStateError(f"--router {str(router)!r} holds no router.safetensors")
@@ -148,15 +167,19 @@ def eval_command(
         sekv_router = SemanticRouter(RouterConfig.from_model_config(base.config))
         router_note = "untrained (no router found)"
         console.print(f"[yellow]no router at {rdir}; SEKV runs with an untrained router[/]")
-    segment = SegmentConfig()
     items = [it for t in tasks for L in lengths for it in build_items(tok, t, L, n, seed)]
-    outcomes = []
+    outcomes, not_run, slow_log = [], [], []
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
         for m, b in runs:
-            outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=bar.advance)
-    kv_info: dict = {"presses": presses, "not_run": kp.NOT_RUN}
+            try:
+                outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=bar.advance,
+                                       slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
+            except KVStateError as exc:  # e.g. a budget below the method's minimum: not run, with the reason
+                not_run.append({"method": m, "budget": b, "reason": str(exc)})
+                console.print(f"[yellow]{m} at budget {b} not run:[/] {exc}")
+    kv_info: dict = {"presses": presses, "hub_only": kp.NOT_RUN}
     press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
     if presses and len(press_items) < len(items):
         console.print("[yellow]ppl is measured for the in-process methods only (not through kvpress presses)[/]")
@@ -166,21 +189,28 @@ def eval_command(
             kv_info["versions"] = kp.versions(py)
             console.print(f"kvpress: {len(presses)} presses x {len(budgets)} budgets x {len(press_items)} items (isolated env)")
             with tempfile.TemporaryDirectory() as work:
-                got, errors = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads)
+                got, failed = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads)
             outcomes += got
-            kv_info["errors"] = errors[:20]
-        except KVStateError as exc:  # say why, run the rest
+            not_run += failed
+        except KVStateError as exc:  # say why, run the rest: every press is "not run", never 0
             console.print(f"[red]kvpress baselines not run:[/] {exc}")
-            kv_info["error"] = str(exc)
+            not_run += kp.not_run(presses, budgets, str(exc))
     rows = summarise(outcomes)
-    result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes), "kvpress": kv_info}
-    table = Table(title="compress the context, then ask")
-    for c in ("method", "budget", "task", "length", "n", "score", "fast bytes", "slow bytes", "ms/token", "expanded"):
+    result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes),
+              "not_run": not_run, "slow_tier": slow_summary(slow_log), "kvpress": kv_info}
+    table = Table(title="compress the context, then ask (bytes / full KV)")
+    for c in ("method", "budget", "task", "length", "n", "score", "95% CI", "resident", "total", "attended peak",
+              "expanded", "ms/token"):
         table.add_column(c, justify="right")
     for r in rows:
+        f = max(r["full_bytes"], 1)
         table.add_row(r["method"], str(r["budget"]), r["task"], str(r["length"]), str(r["n"]), f"{r['score']:.3f}",
-                      f"{r['fast_bytes']:,}", f"{r['slow_bytes']:,}", f"{r['decode_ms_per_token']:.2f}",
-                      "" if r["expanded_fraction"] is None else f"{r['expanded_fraction']:.2f}")
+                      f"[{r['score_ci'][0]:.2f}, {r['score_ci'][1]:.2f}]", f"{r['resident_bytes'] / f:.3f}",
+                      f"{r['total_bytes'] / f:.3f}", f"{r['attended_bytes_peak'] / f:.3f}",
+                      "" if r["expanded_fraction"] is None else f"{r['expanded_fraction']:.2f}",
+                      f"{r['decode_ms_per_token']:.2f}")
+    for e in not_run:
+        table.add_row(e["method"], str(e["budget"]), "not run", "", "", "", "", "", "", "", "", e["reason"][:60])
     table_console(as_json).print(table)
     prov = rec.finish()
     printed = {**result, "provenance": prov}

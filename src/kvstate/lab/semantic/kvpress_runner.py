@@ -8,6 +8,10 @@ isolated interpreter and reads the JSONL it writes back.
 Protocol (kvpress's own): the context is prefilled inside ``with press(model):`` and so compressed
 without the question; the question is then fed outside the press with explicit positions and the
 answer decoded greedily. Every question of an item starts from a copy of the same compressed cache.
+Bytes are measured here, from the tensors of this process's cache (the kvstate byte-count contract,
+``kvstate.semantic.accounting``): a press keeps its K/V on the device and drops the rest, so resident =
+total = the kept K/V after the answer; the peak attended is the largest K/V any forward pass read; full
+is the full K/V of the tokens seen (context, question, answer).
 
     python kvpress_runner.py --model DIR --tasks tasks.jsonl --out results.jsonl \
         --presses SnapKVPress,TOVAPress --ratios 0.75
@@ -24,7 +28,14 @@ import time
 
 
 def _bytes(cache) -> int:  # type: ignore[no-untyped-def]
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers
+               if getattr(layer, "keys", None) is not None and layer.keys.numel())
+
+
+def _token_bytes(cache) -> int:  # type: ignore[no-untyped-def]
+    """Full K/V bytes of one token over every attention layer."""
+    return sum(2 * layer.keys.shape[1] * layer.keys.shape[3] * layer.keys.element_size() for layer in cache.layers
+               if getattr(layer, "keys", None) is not None and layer.keys.numel())
 
 
 def _answer(model, cache, question, start, max_new, eos):  # type: ignore[no-untyped-def]
@@ -32,13 +43,16 @@ def _answer(model, cache, question, start, max_new, eos):  # type: ignore[no-unt
 
     ids = torch.tensor([question])
     pos = torch.arange(start, start + len(question))[None]
+    tb = _token_bytes(cache)
+    reads: list[tuple[int, int]] = []  # per pass: (K/V read, full K/V of the tokens seen then)
     with torch.no_grad():
         out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        p = start + len(question)
+        reads.append((_bytes(cache), p * tb))
         nxt = int(out.logits[0, -1].argmax())
         new: list[int] = []
         t0 = time.perf_counter()
         steps = 0
-        p = start + len(question)
         while nxt != eos and len(new) < max_new:
             new.append(nxt)
             if len(new) >= max_new:
@@ -47,9 +61,13 @@ def _answer(model, cache, question, start, max_new, eos):  # type: ignore[no-unt
                         use_cache=True)
             p += 1
             steps += 1
+            reads.append((_bytes(cache), p * tb))
             nxt = int(out.logits[0, -1].argmax())
         dt = time.perf_counter() - t0
-    return new, dt, steps
+    kept = _bytes(cache)
+    counts = {"resident_bytes": kept, "total_bytes": kept, "attended_bytes_peak": max(r for r, _ in reads),
+              "full_bytes": p * tb, "read_ratio_peak": max(r / f for r, f in reads)}
+    return new, dt, steps, counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"press": name, "ratio": ratio, "task": it["task"], "length": it["length"],
                                  "index": it["index"], "error": f"{type(exc).__name__}: {exc}"})
                     continue
-                nbytes = _bytes(cache)
                 for qi, (q, mx) in enumerate(zip(it["questions"], it["max_new_tokens"], strict=True)):
-                    new, dt, steps = _answer(model, copy.deepcopy(cache), q, ctx.shape[1], mx, tok.eos_token_id)
+                    new, dt, steps, counts = _answer(model, copy.deepcopy(cache), q, ctx.shape[1], mx,
+                                                     tok.eos_token_id)
                     rows.append({"press": name, "ratio": ratio, "task": it["task"], "length": it["length"],
                                  "index": it["index"], "question": qi,
-                                 "prediction": tok.decode(new, skip_special_tokens=True), "cache_bytes": nbytes,
+                                 "prediction": tok.decode(new, skip_special_tokens=True), **counts,
                                  "decode_s": dt, "decode_steps": steps})
                 print(f"{name} {ratio} {it['task']} {it['length']} #{it['index']}", file=sys.stderr, flush=True)
     tmp = args.out + ".tmp"

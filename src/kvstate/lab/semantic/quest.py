@@ -4,10 +4,12 @@ After "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference": th
 sink tokens and the recent window is cut into pages of ``page`` tokens; the fast tier keeps the sinks,
 the recent window and, per page and KV head, the element-wise minimum and maximum key. At each forward
 call a page's attention upper bound ``sum_d max(q_d min_d, q_d max_d)`` (maximised over the KV head's
-query heads and the fed tokens) ranks the pages, and the top ``k`` are read from the slow tier (the
-raw page K/V on CPU) and attended at full resolution. ``k`` spends what the fast-tier budget leaves
-after sinks, window and page metadata, so every method gets the same fast-tier bytes. Ignored: Quest's
-GPU kernels and per-layer budgets (the first layers are not kept dense here).
+query heads and the fed tokens) ranks the pages per KV head, and pages are read from the slow tier (the
+raw page K/V on CPU) — taken from the heads' rankings in turn, so the union over heads is what is
+materialised — and attended at full resolution by every head. The number of pages is capped at every
+forward call so the fast tier plus the pages read stay within ``budget`` x the full KV of the tokens seen
+(the same read budget as SEKV's, :mod:`kvstate.semantic.accounting`). Ignored: Quest's GPU kernels and
+per-layer budgets (the first layers are not kept dense here).
 """
 
 from __future__ import annotations
@@ -31,18 +33,37 @@ class PageStore:
     slow_k: torch.Tensor  # (H, M, D) raw keys of the paged middle, on CPU
     slow_v: torch.Tensor
     page: int  # tokens per page
-    top_k: int  # pages read per call
+    budget: float  # (fast tier + pages read) / full KV of the tokens seen, at every call
+    top_k: int | None = None  # a fixed page count instead of the budget (the every-page oracle in the tests)
     expanded: list[float] = field(default_factory=list)
+    reads: list[int] = field(default_factory=list)  # per call: K/V bytes materialised and read
+    full_at: list[int] = field(default_factory=list)  # per call: full K/V bytes of the tokens seen then
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.anchor_k.shape[1] * self.anchor_k.shape[3] * self.anchor_k.element_size()
 
     def fast_nbytes(self) -> int:
         return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.page_min, self.page_max))
 
+    def working_nbytes(self) -> int:
+        return 0  # pages are read per call and dropped
+
     def slow_nbytes(self) -> int:
         return self.slow_k.nbytes + self.slow_v.nbytes
+
+    def full_nbytes(self) -> int:
+        return (self.anchor_k.shape[2] + self.slow_k.shape[1]) * self.token_bytes
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, *_: Any) -> None:
         self.anchor_k = torch.cat([self.anchor_k, keys], 2)
         self.anchor_v = torch.cat([self.anchor_v, values], 2)
+
+    def n_pages_now(self) -> int:
+        if self.top_k is not None:
+            return self.top_k
+        left = int(self.budget * self.full_nbytes()) - self.fast_nbytes()
+        return max(0, left // (self.page * self.token_bytes))
 
     def attend(self, query: torch.Tensor, scaling: float, *_: Any) -> torch.Tensor:
         q = query[0]  # (Hq, Tq, D)
@@ -54,28 +75,36 @@ class PageStore:
         causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
         logits = [(qg @ self.anchor_k[0].transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]
         vals = [self.anchor_v[0]]
+        read = self.anchor_k.nbytes + self.anchor_v.nbytes
         n_pages = self.page_min.shape[1]
-        k = min(self.top_k, n_pages)
+        k = min(self.n_pages_now(), n_pages)
         if k > 0:
             bound = torch.maximum(qg[:, :, None, :] * self.page_min[:, None], qg[:, :, None, :] * self.page_max[:, None])
-            score = bound.sum(-1).amax(1)  # (H, P)
-            pick = torch.zeros(h, n_pages, dtype=torch.bool)
-            pick.scatter_(1, score.topk(k, dim=1).indices, True)
-            chosen = torch.nonzero(pick.any(0)).flatten()
+            order = bound.sum(-1).amax(1).argsort(dim=1, descending=True)  # (H, P) pages by upper bound, per head
+            chosen: list[int] = []
+            for p in order.T.flatten().tolist():  # the heads' rankings in turn: rank 0 of every head, then rank 1 ...
+                if p not in chosen:
+                    chosen.append(p)
+                    if len(chosen) == k:
+                        break
+            chosen.sort()
             m = self.slow_k.shape[1]
-            tok = torch.cat([torch.arange(int(p) * self.page, min((int(p) + 1) * self.page, m)) for p in chosen])
-            owner = tok // self.page
+            tok = torch.cat([torch.arange(p * self.page, min((p + 1) * self.page, m)) for p in chosen])
             rk, rv = self.slow_k[:, tok].to(q.dtype), self.slow_v[:, tok].to(q.dtype)  # (H, n_sel, D)
-            le = qg @ rk.transpose(-1, -2) * scaling  # (H, g*Tq, n_sel)
-            logits.append(le.masked_fill(~pick[:, owner][:, None, :], float("-inf")))
+            read += rk.nbytes + rv.nbytes
+            logits.append(qg @ rk.transpose(-1, -2) * scaling)  # (H, g*Tq, n_sel)
             vals.append(rv)
-            self.expanded.append(float(pick.float().mean()))
+            self.expanded.append(len(tok) / m)
+        elif n_pages:
+            self.expanded.append(0.0)
+        self.reads.append(read)
+        self.full_at.append(self.full_nbytes())
         p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)
         return (p @ torch.cat(vals, 1)).reshape(1, hq, tq, d)
 
 
 class QuestCache(SemanticCache):
-    """A :class:`SemanticCache` whose layers hold :class:`PageStore` (same protocol, same budget)."""
+    """A :class:`SemanticCache` whose layers hold :class:`PageStore` (same protocol, same read budget)."""
 
     page = 16
 
@@ -91,9 +120,9 @@ class QuestCache(SemanticCache):
         fast = (lo + t - hi) * token_bytes + 2 * n_pages * h * d * e
         budget = int(self.config.budget * t * token_bytes)
         if fast > budget:
-            raise BudgetError(f"budget {self.config.budget} of full KV ({budget} bytes) cannot hold the sinks, recent "
-                              f"window and page metadata of a {t}-token context: the minimum is {fast} bytes")
-        top_k = (budget - fast) // (self.page * token_bytes)
+            raise BudgetError(f"budget {self.config.budget} of full KV ({budget} bytes per layer) cannot hold the sinks, "
+                              f"recent window and page metadata of a {t}-token context: the minimum is {fast} bytes, "
+                              f"budget >= {fast / (t * token_bytes):.4f}")
         keep = torch.as_tensor(np.r_[0:lo, hi:t], dtype=torch.long)
         for layer in layers:
             k, v = layer.keys, layer.values
@@ -102,6 +131,7 @@ class QuestCache(SemanticCache):
             padded = torch.cat([mid, mid[:, -1:].expand(-1, pad, -1)], 1) if pad else mid
             pages = padded.reshape(h, n_pages, self.page, d)
             layer.store = PageStore(k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), pages.amin(2), pages.amax(2),
-                                    mid.cpu().contiguous(), v[0, :, lo:hi].cpu().contiguous(), self.page, int(top_k))
+                                    mid.cpu().contiguous(), v[0, :, lo:hi].cpu().contiguous(), self.page,
+                                    self.config.budget)
             layer.keys = layer.values = None
         return None

@@ -1,18 +1,18 @@
-"""Report section: resolution — SEKV side by side with kvpress presses and in-project baselines.
+"""Report section: resolution — SEKV against every other method at equal bytes, with intervals.
 
-Reads the committed results of ``kvstate semantic eval`` next to the trained router
-(``models/ref-attn-sekv/eval.json``: the main run at 25%; ``eval_sweep.json``: other budgets, if
-present) and renders accuracy per task and method, bytes per tier, expansion, decode latency, the
-needle-in-a-haystack heatmap (length x depth) per method at 25%, held-out perplexity under
-compress-then-continue (rows with task ``ppl``), the run on the hybrid reference model's one attention
-layer (``models/ref-hybrid-sekv/eval.json``, if present), and one headline row per target with the
-measured value. Nothing is re-measured here (the section runs in seconds); the file names the
-command that produced it.
+Reads the committed results of ``kvstate semantic eval`` (``models/ref-attn-sekv/eval.json``: the headline
+grid of budgets 4:1 / 8:1 / 16:1, lengths and needle tasks; ``eval_sweep.json``: held-out perplexity;
+``models/ref-hybrid-sekv/eval.json``: the hybrid reference model's attention layer, with the window-only
+control) and renders accuracy against *attended* bytes and against *total* bytes (two plots, 95%
+intervals), the byte counts per method (resident, total, peak attended, full), the slow tier against its
+budget, the methods that could not run and why, and one headline row per target. Accuracies are pooled
+over the questions of the tasks the full cache solves at that length (:func:`kvstate.lab.protocol.solved_cells`),
+with Wilson intervals; SEKV is compared with the best of *all* other methods by a paired bootstrap over
+the same questions (:mod:`kvstate.lab.stats`). Nothing is re-measured here; the file names its command.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,268 +22,271 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from kvstate.lab import stats
+from kvstate.lab.protocol import solved_cells
 from kvstate.lab.provenance import load_artifact
 from kvstate.lab.report.html import Figure, Section, Table, artifact_row
 
 PAPER = "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory"
-
 TECH = "resolution (SEKV)"
-STRONG = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_4q")
-WEAK = ("vt", "fwe", "cwe", "qa")
-IN_PROJECT = ("full", "sekv", "sentencekv", "quest")
-MAIN_BUDGET = 0.25
-DEPTH_BINS = 5
+HEAD_BUDGET, HEAD_LENGTH, FULL_BUDGET = 0.125, 2048, 0.25
+SEKV = "sekv"
+BYTES = ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes")
+
+EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv "
+                "--budget 0.25,0.125,0.0625 --task niah_single,niah_multikey,niah_4q --length 1024,2048,4096 "
+                "--n 100 --seed 1000 --methods full,sekv,sekv_fresh,sekv_raw,sentencekv,quest,streaming,kvpress "
+                "--recent 16 --max-span 32 --json --out models/ref-attn-sekv/eval.json")
+SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv "
+                 "--budget 0.25,0.125,0.0625 --task ppl --length 1024 --n 200 --seed 1000 "
+                 "--methods full,sekv,sekv_raw,sentencekv,quest,streaming --recent 16 --max-span 32 --json "
+                 "--out models/ref-attn-sekv/eval_sweep.json")
+HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv "
+                  "--budget 0.25,0.125,0.0625 --task niah_single,niah_multikey,niah_4q --length 1024,2048 --n 100 "
+                  "--seed 1000 --methods full,sekv,sekv_fresh,quest,streaming,window --recent 16 --max-span 32 "
+                  "--json --out models/ref-hybrid-sekv/eval.json")
 
 
-
-def _avg(rows: list[dict[str, Any]], method: str, budget: float | None, tasks: tuple[str, ...]) -> float | None:
-    got = [r["score"] for r in rows if r["method"] == method and r["task"] in tasks
-           and (budget is None or abs(r["budget"] - budget) < 1e-9)]
-    return float(np.mean(got)) if got else None
+def _new_rows(run: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Rows carrying the byte counts (runs before byte counts were measured are not read)."""
+    return [r for r in (run or {}).get("results", []) if all(k in r for k in BYTES) and r["task"] != "ppl"]
 
 
-def _methods(rows: list[dict[str, Any]]) -> list[str]:
-    seen: list[str] = []
-    for r in rows:
-        if r["method"] not in seen:
-            seen.append(r["method"])
-    return sorted(seen, key=lambda m: (IN_PROJECT.index(m) if m in IN_PROJECT else len(IN_PROJECT), seen.index(m)))
+def _solved(run: dict[str, Any]) -> dict[int, set[str]]:
+    """Per length: the tasks the full cache solves (>= SOLVED_AT) in this run."""
+    full: dict[tuple[str, int], list[float]] = {}
+    for c in run.get("cells", []):
+        if c["method"] == "full" and c["task"] != "ppl":
+            full.setdefault((c["task"], c["length"]), []).append(c["score"])
+    out: dict[int, set[str]] = {}
+    for task, length in solved_cells(full):
+        out.setdefault(length, set()).add(task)
+    return out
 
 
-def _heatmap(cells: list[dict[str, Any]], methods: list[str], out_dir: Path) -> tuple[Figure | None, dict[str, float]]:
-    niah = [c for c in cells if c["task"] == "niah_single" and c["depth"] is not None
-            and (c["method"] == "full" or abs(c["budget"] - MAIN_BUDGET) < 1e-9)]
-    if not niah:
-        return None, {}
-    lengths = sorted({c["length"] for c in niah})
-    fig, axes = plt.subplots(1, len(methods), figsize=(2.2 * len(methods), 2.6), squeeze=False)
-    correct: dict[str, float] = {}
-    for ax, m in zip(axes[0], methods, strict=True):
-        grid = np.full((DEPTH_BINS, len(lengths)), np.nan)
-        for i in range(DEPTH_BINS):
-            for j, L in enumerate(lengths):
-                s = [c["score"] for c in niah if c["method"] == m and c["length"] == L
-                     and min(DEPTH_BINS - 1, int(c["depth"] * DEPTH_BINS)) == i]
-                if s:
-                    grid[i, j] = np.mean(s)
-        filled = grid[~np.isnan(grid)]
-        correct[m] = float((filled >= 0.5).mean()) if filled.size else float("nan")
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        ax.set_title(m, fontsize=8)
-        ax.set_xticks(range(len(lengths)), [str(x) for x in lengths], fontsize=7)
-        ax.set_yticks(range(DEPTH_BINS), [f"{(i + 0.5) / DEPTH_BINS:.1f}" for i in range(DEPTH_BINS)], fontsize=7)
-    axes[0][0].set_ylabel("needle depth")
-    fig.tight_layout()
-    fig.savefig(out_dir / "semantic_niah.png", dpi=100)
-    plt.close(fig)
-    return Figure("Needle-in-a-haystack at 25% fast-tier budget (length x depth)", "semantic_niah.png",
-                  "Mean niah_single score per (length, depth bin); green = 1."), correct
+def _scores(run: dict[str, Any], method: str, budget: float | None, length: int,
+            solved: dict[int, set[str]]) -> dict[tuple[str, int, int], float]:
+    """Per question (task, item, question) of the solved tasks at ``length``: the score of ``method``."""
+    return {(c["task"], c["index"], c["question"]): c["score"] for c in run.get("cells", [])
+            if c["method"] == method and c["length"] == length and c["task"] in solved.get(length, set())
+            and (budget is None or abs(c["budget"] - budget) < 1e-9)}
 
 
-def _ppl_table(rows: list[dict[str, Any]], title: str) -> Table | None:
-    """Held-out perplexity rows (task ``ppl``): one line per method and budget, relative to full KV."""
-    ppl = [r for r in rows if r["task"] == "ppl"]
-    full = {r["length"]: r for r in ppl if r["method"] == "full"}
-    lines = []
-    for r in sorted(ppl, key=lambda r: (r["length"], IN_PROJECT.index(r["method"]) if r["method"] in IN_PROJECT
-                                        else len(IN_PROJECT), -r["budget"])):
-        f = full.get(r["length"])
-        lines.append([r["method"], "–" if r["method"] == "full" else r["budget"], r["length"], r["n"],
-                      r.get("tokens", "–"), round(r["score"], 3), round(r["score"] / f["score"], 4) if f else "–",
-                      round(r["fast_bytes"] / f["fast_bytes"], 3) if f else "–",
-                      "–" if r.get("expanded_fraction") is None else round(r["expanded_fraction"], 3),
-                      round(r["decode_ms_per_token"], 2)])
-    return Table(title, ["method", "budget", "context tokens", "texts", "scored tokens", "perplexity", "ppl / full",
-                         "fast / full", "expanded fraction", "ms / token"], lines) if lines else None
+def _cells_of(rows: list[dict[str, Any]], method: str, budget: float, length: int) -> list[dict[str, Any]]:
+    return [r for r in rows if r["method"] == method and r["length"] == length
+            and (method == "full" or abs(r["budget"] - budget) < 1e-9)]
 
 
-def _hybrid(models_dir: Path) -> tuple[list[Table], str, dict[str, Any]]:
-    """Tables of the run on the hybrid reference model (its attention layer compressed), if committed."""
-    art = load_artifact(models_dir / "ref-hybrid-sekv" / "eval.json", HYBRID_COMMAND)
-    run = art.run
-    if run is None:
-        return [], "", {}
-    rows = [r for r in run["results"] if r["task"] != "ppl"]
-    tasks = [t for t in (*STRONG, *WEAK) if any(r["task"] == t for r in rows)]
-    full = [r for r in rows if r["method"] == "full"]
-    full_b = float(np.mean([r["fast_bytes"] for r in full])) if full else float("nan")
-    full_ms = float(np.mean([r["decode_ms_per_token"] for r in full])) if full else float("nan")
-    lines, summary = [], {}
-    for m in _methods(rows):
+def _ratio(rows: list[dict[str, Any]], key: str) -> float:
+    return float(np.mean([r[key] / r["full_bytes"] for r in rows])) if rows else float("nan")
+
+
+def _points(run: dict[str, Any], rows: list[dict[str, Any]], length: int,
+            solved: dict[int, set[str]]) -> dict[str, list[tuple[float, float, float, stats.Estimate]]]:
+    """Per method: (budget, attended / full, total / full, pooled accuracy) at ``length``."""
+    out: dict[str, list[tuple[float, float, float, stats.Estimate]]] = {}
+    for m in dict.fromkeys(r["method"] for r in rows):
         for b in sorted({r["budget"] for r in rows if r["method"] == m}, reverse=True):
-            rs = [r for r in rows if r["method"] == m and abs(r["budget"] - b) < 1e-9]
-            cells = []
-            for t in tasks:
-                got = [r["score"] for r in rs if r["task"] == t]
-                cells.append(round(float(np.mean(got)), 3) if got else "–")
-            avg = _avg(rs, m, None, tuple(tasks))
-            summary[f"{m}@{b}"] = avg
-            ms = float(np.mean([r["decode_ms_per_token"] for r in rs]))
-            lines.append([m, "–" if m == "full" else b, *cells, "–" if avg is None else round(avg, 3),
-                          round(float(np.mean([r["fast_bytes"] for r in rs])) / full_b, 3),
-                          round(float(np.mean([r["slow_bytes"] for r in rs])) / full_b, 3),
-                          round(ms, 2), round(ms / full_ms, 2)])
+            s = _scores(run, m, None if m == "full" else b, length, solved)
+            rs = [r for r in _cells_of(rows, m, b, length) if r["task"] in solved.get(length, set())]
+            if s and rs:
+                out.setdefault(m, []).append((b, _ratio(rs, "attended_bytes_peak"), _ratio(rs, "total_bytes"),
+                                              stats.rate(list(s.values()))))
+    return out
+
+
+def _plots(points: dict[str, list[tuple[float, float, float, stats.Estimate]]], length: int,
+           out_dir: Path) -> list[Figure]:
+    figs = []
+    for i, (name, label) in enumerate((("attended", "peak attended bytes / full KV"),
+                                       ("total", "total bytes (every tier) / full KV"))):
+        fig, ax = plt.subplots(figsize=(5.2, 3.4))
+        for m, pts in points.items():
+            x = [p[1 + i] for p in pts]
+            y = [p[3].value for p in pts]
+            err = np.array([[p[3].value - p[3].lo for p in pts], [p[3].hi - p[3].value for p in pts]])
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m, linewidth=2 if m == SEKV else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(label)
+        ax.set_ylabel("accuracy (solved tasks)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        fn = f"semantic_acc_vs_{name}.png"
+        fig.savefig(out_dir / fn, dpi=100)
+        plt.close(fig)
+        figs.append(Figure(f"Accuracy vs {label}, {length} tokens", fn,
+                           "One point per method and budget; bars: 95% Wilson intervals over the questions of the "
+                           "tasks the full cache solves at this length."))
+    return figs
+
+
+def _grid(run: dict[str, Any], rows: list[dict[str, Any]], solved: dict[int, set[str]]) -> Table:
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "full"}, reverse=True)
     lengths = sorted({r["length"] for r in rows})
-    n = {t: max(r["n"] for r in rows if r["task"] == t) for t in tasks}
-    stale = "" if art.status == "current" else f" [{art.status}: {art.reason}; regenerate with `{art.command}`]"
-    tables = [Table(f"ref-hybrid{stale} (one attention layer of four compressed; bytes are that layer's KV), "
-                    f"{', '.join(map(str, lengths))} tokens; avg over the tasks shown",
-                    ["method", "budget", *[f"{t} (n = {n[t]} questions)" for t in tasks], "avg", "fast / full",
-                     "slow / full", "ms / token", "latency / full"], lines,
-                    note="Latency on a CPU shared with other jobs; full and sekv ran one after the other in one process.")]
-    pt = _ppl_table(run["results"], "ref-hybrid: held-out perplexity, compress the context then continue")
-    if pt is not None:
-        tables.append(pt)
-    note = (f" The hybrid reference model ({run['model']}, router {run.get('router')}): only its attention layer "
-            "holds per-token KV, so SEKV compresses that layer and the Gated DeltaNet layers keep their state; "
-            f"produced by: {run.get('command', 'kvstate semantic eval')}.")
-    return tables, note, summary
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    lines = []
+    for b in budgets:
+        for m in methods:
+            line: list[Any] = [f"{round(1 / b)}:1", m]
+            for L in lengths:
+                s = _scores(run, m, None if m == "full" else b, L, solved)
+                if not s:
+                    line.append("–")
+                    continue
+                e = stats.rate(list(s.values()))
+                line.append(f"{e.value:.3f} [{e.lo:.2f}, {e.hi:.2f}]")
+            rs = [r for L in lengths for r in _cells_of(rows, m, b, L)]
+            line += [round(_ratio(rs, k), 3) for k in ("attended_bytes_peak", "total_bytes", "resident_bytes")]
+            exp = [r["expanded_fraction"] for r in rs if r.get("expanded_fraction") is not None]
+            line.append(round(float(np.mean(exp)), 3) if exp else "–")
+            lines.append(line)
+    return Table("Accuracy (solved tasks, pooled questions, 95% interval) and bytes / full KV, per compression",
+                 ["compression", "method", *[f"{L} tokens" for L in lengths], "attended / full", "total / full",
+                  "resident / full", "expanded fraction"], lines,
+                 note="full: no compression (the same row under every budget). Bytes are means over all lengths.")
+
+
+def _headline(art: Any, run: dict[str, Any], rows: list[dict[str, Any]], solved: dict[int, set[str]]) -> list[Any]:
+    head = []
+    length = HEAD_LENGTH if any(r["length"] == HEAD_LENGTH for r in rows) else max(r["length"] for r in rows)
+    sekv = _scores(run, SEKV, HEAD_BUDGET, length, solved)
+    others = {m for m in (r["method"] for r in rows) if m not in ("full", SEKV) and not m.startswith("sekv_")}
+    best, best_v = None, -1.0
+    for m in sorted(others):
+        s = _scores(run, m, HEAD_BUDGET, length, solved)
+        if s and s.keys() == sekv.keys() and (v := float(np.mean(list(s.values())))) > best_v:
+            best, best_v = m, v
+    target = f"8:1, {length} tokens: SEKV >= the best other method at equal attended bytes + 5 points"
+    if sekv and best is not None:
+        keys = sorted(sekv)
+        other = _scores(run, best, HEAD_BUDGET, length, solved)
+        d = stats.paired_difference([sekv[k] for k in keys], [other[k] for k in keys])
+        status = stats.decide(d.lo, d.hi, 0.05)
+        head.append(artifact_row(art, TECH, target, f"{100 * d.value:+.1f} points vs {best} (n = {d.n})",
+                                 status=status, ci=(d.lo, d.hi)))
+    else:
+        head.append(artifact_row(art, TECH, target, "SEKV or no other method ran on the same questions", None))
+    s4, full = _scores(run, SEKV, FULL_BUDGET, length, solved), _scores(run, "full", None, length, solved)
+    if s4 and full:
+        e = stats.rate(list(s4.values()))
+        f = float(np.mean(list(full.values())))
+        head.append(artifact_row(art, TECH, f"4:1, {length} tokens: SEKV >= 95% of the full cache",
+                                 f"{e.value:.3f} / {f:.3f} = {e.value / f:.2f}", status=stats.decide(e.lo, e.hi, 0.95 * f),
+                                 ci=(e.lo, e.hi), rate=True))
+    ratios = [c["read_ratio_peak"] / c["budget"] for c in run.get("cells", [])
+              if c["method"] == SEKV and "read_ratio_peak" in c]
+    if ratios:
+        head.append(artifact_row(art, TECH, "SEKV reads <= budget x full KV at every forward pass, every item",
+                                 f"max {max(ratios):.3f} of the budget over {len(ratios)} questions", max(ratios) <= 1.0))
+    tot = [r for r in rows if r["method"] == SEKV and abs(r["budget"] - HEAD_BUDGET) < 1e-9]
+    if tot:
+        v = _ratio(tot, "total_bytes")
+        head.append(artifact_row(art, TECH, "8:1: SEKV total bytes (fast + compressed slow) <= 0.5 x full",
+                                 f"{v:.3f} x full", v <= 0.5))
+    slow = [e for e in run.get("slow_tier", []) if e["method"] == SEKV]
+    if slow:
+        worst = max(e["slow_bytes"] / max(e["budget_bytes"], 1) for e in slow)
+        head.append(artifact_row(art, TECH, "SEKV slow tier <= its budget", f"max {worst:.3f} of the budget",
+                                 worst <= 1.0))
+    ms = {m: [r["decode_ms_per_token"] for r in rows if r["method"] == m and r["length"] == length
+              and (m == "full" or abs(r["budget"] - HEAD_BUDGET) < 1e-9)] for m in ("full", SEKV)}
+    if ms["full"] and ms[SEKV]:
+        ratio = float(np.mean(ms[SEKV]) / np.mean(ms["full"]))
+        head.append(artifact_row(art, TECH, f"decode <= 1.5x the full cache's ms / token at {length} (this CPU)",
+                                 f"{ratio:.2f}x", ratio <= 1.5))
+    return head
+
+
+def _hybrid(models_dir: Path) -> tuple[list[Table], list[Any]]:
+    art = load_artifact(models_dir / "ref-hybrid-sekv" / "eval.json", HYBRID_COMMAND)
+    rows = _new_rows(art.run)
+    if not rows:
+        return [], [artifact_row(art, TECH, "hybrid: SEKV >= window-only + 5 points where window < full",
+                                 "no rows with byte counts", None)]
+    run = art.run
+    solved = _solved(run)
+    tables = [_grid(run, rows, solved)]
+    tables[0].title = "ref-hybrid (its attention layer compressed): " + tables[0].title
+    head = []
+    for b in sorted({r["budget"] for r in rows if r["method"] == "window"}, reverse=True):
+        for L in sorted({r["length"] for r in rows}):
+            s, w = _scores(run, SEKV, b, L, solved), _scores(run, "window", b, L, solved)
+            full = _scores(run, "full", None, L, solved)
+            if not (s and w and full and s.keys() == w.keys()):
+                continue
+            if np.mean(list(w.values())) >= np.mean(list(full.values())):
+                continue  # the control is not below the full cache: nothing to recover
+            keys = sorted(s)
+            d = stats.paired_difference([s[k] for k in keys], [w[k] for k in keys])
+            head.append(artifact_row(art, TECH, f"hybrid {round(1 / b)}:1, {L} tokens: SEKV >= window only + 5 points",
+                                     f"{100 * d.value:+.1f} points (n = {d.n})", status=stats.decide(d.lo, d.hi, 0.05),
+                                     ci=(d.lo, d.hi)))
+    return tables, head
+
+
+def _ppl(models_dir: Path) -> list[Table]:
+    art = load_artifact(models_dir / "ref-attn-sekv" / "eval_sweep.json", SWEEP_COMMAND)
+    ppl = [r for r in (art.run or {}).get("results", []) if r["task"] == "ppl" and "score_ci" in r]
+    if not ppl:
+        return []
+    lines = [[r["method"], r["budget"], r["length"], r["n"], round(r["score"], 3),
+              f"[{r['score_ci'][0]:.3f}, {r['score_ci'][1]:.3f}]", round(r["attended_bytes_peak"] / r["full_bytes"], 3),
+              round(r["total_bytes"] / r["full_bytes"], 3)] for r in ppl]
+    stale = "" if art.status == "current" else f" [{art.status}: {art.reason}]"
+    return [Table(f"Held-out perplexity, compress the context then continue{stale}",
+                  ["method", "budget", "context tokens", "texts", "perplexity", "95% CI", "attended / full",
+                   "total / full"], lines)]
 
 
 def build(out_dir: Path, models_dir: Path) -> Section:
-    src = models_dir / "ref-attn-sekv"
-    art = load_artifact(src / "eval.json", EVAL_COMMAND)
-    sweep_art = load_artifact(src / "eval_sweep.json", SWEEP_COMMAND)
-    main, sweep = art.run, sweep_art.run
-    if main is None:
-        return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER,
-                       intro=f"No results at {src / 'eval.json'}; run `{EVAL_COMMAND}`.",
-                       headline=[artifact_row(art, TECH, "SEKV benchmark", "")])
-    ppl_rows = [r for r in main["results"] if r["task"] == "ppl"]
-    ppl_table = _ppl_table(ppl_rows, f"Held-out perplexity, compress the context then continue ({main['model']})")
-    allrows = [r for r in main["results"] if r["task"] != "ppl"]  # perplexity has its own table
-    # tables and averages at the one length every task ran at (the heatmap uses every length)
-    per_len: dict[int, set[str]] = {}
-    for r in allrows:
-        per_len.setdefault(r["length"], set()).add(r["task"])
-    length = max(per_len, key=lambda L: (len(per_len[L]), L))
-    main = {**main, "results": [r for r in allrows if r["length"] == length]}
-    rows = main["results"] + [r for r in (sweep["results"] if sweep else []) if r["length"] == length]
-    methods = _methods(main["results"])
-    # average over the needle tasks the full cache answers well in this run (>= 0.8), as the protocol asks
-    good = tuple(t for t in STRONG if (v := _avg(main["results"], "full", None, (t,))) is not None and v >= 0.8)
-    avg_tasks = good or STRONG
-    tasks = [t for t in (*STRONG, *WEAK) if any(r["task"] == t for r in main["results"])]
-    acc_rows = []
-    for m in methods:
-        b = None if m == "full" else MAIN_BUDGET
-        cells = []
-        for t in tasks:
-            got = [r["score"] for r in main["results"] if r["method"] == m and r["task"] == t
-                   and (b is None or abs(r["budget"] - b) < 1e-9)]
-            cells.append(round(float(np.mean(got)), 3) if got else "–")
-        avg = _avg(main["results"], m, b, avg_tasks)
-        acc_rows.append([m, *cells, "–" if avg is None else round(avg, 3)])
-    full_rows = [r for r in main["results"] if r["method"] == "full"]
-    full_bytes = float(np.mean([r["fast_bytes"] for r in full_rows])) if full_rows else float("nan")
-    full_ms = float(np.mean([r["decode_ms_per_token"] for r in full_rows])) if full_rows else float("nan")
-    byte_rows = []
-    for m in methods:
-        rs = [r for r in main["results"] if r["method"] == m and (m == "full" or abs(r["budget"] - MAIN_BUDGET) < 1e-9)]
-        if not rs:
-            continue
-        fast, slow = np.mean([r["fast_bytes"] for r in rs]), np.mean([r["slow_bytes"] for r in rs])
-        ms = float(np.mean([r["decode_ms_per_token"] for r in rs]))
-        exp = [r["expanded_fraction"] for r in rs if r.get("expanded_fraction") is not None]
-        same_run = m in ("full", "sekv")  # measured in the same process as full; others in earlier runs
-        byte_rows.append([m, int(fast), round(float(fast / full_bytes), 3), int(slow), round(float(slow / full_bytes), 3),
-                          round(float(np.mean(exp)), 3) if exp else "–", round(ms, 2),
-                          round(ms / full_ms, 2) if same_run else "–"])
-    fig, niah_correct = _heatmap(main.get("cells", []), methods, out_dir)
-    # headline
-    sekv, full = _avg(main["results"], "sekv", MAIN_BUDGET, avg_tasks), _avg(main["results"], "full", None, avg_tasks)
-    presses = [m for m in methods if m not in IN_PROJECT]
-    press_avg = {m: _avg(main["results"], m, MAIN_BUDGET, avg_tasks) for m in presses}
-    press_avg = {m: v for m, v in press_avg.items() if v is not None}
-    best = max(press_avg.items(), key=lambda kv: kv[1]) if press_avg else None
-    head = []
-    if sekv is not None and best is not None:
-        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
-                                f"SEKV {sekv:.3f} vs {best[0]} {best[1]:.3f} ({100 * (sekv - best[1]):+.1f} points)",
-                                sekv >= best[1] + 0.05))
-    else:
-        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= best kvpress press + 5 points",
-                                "kvpress presses not in this run" if sekv is not None else "SEKV not in this run", None))
-    if sekv is not None and full:
-        head.append(artifact_row(art, TECH, "avg accuracy at 25% >= 95% of full KV",
-                                f"{sekv:.3f} / {full:.3f} = {sekv / full:.2f}", sekv >= 0.95 * full))
-    if "sekv" in niah_correct:
-        head.append(artifact_row(art, TECH, "NIAH heatmap at 25% >= 95% of cells correct (cell mean >= 0.5)",
-                                f"{100 * niah_correct['sekv']:.0f}% of cells", niah_correct["sekv"] >= 0.95))
-    sweep_rows, loss_budget = [], None
-    budgets = sorted({r["budget"] for r in rows if r["method"] == "sekv"}, reverse=True)
-    for b in budgets:
-        line: list[Any] = [b]
-        for m in methods:
-            if m == "full":
-                continue
-            v = _avg(rows, m, b, avg_tasks)
-            line.append("–" if v is None else round(v, 3))
-        sweep_rows.append(line)
-        v = _avg(rows, "sekv", b, avg_tasks)
-        if v is not None and full is not None and full - v <= 0.02:
-            fb = np.mean([r["fast_bytes"] for r in rows if r["method"] == "sekv" and abs(r["budget"] - b) < 1e-9])
-            loss_budget = (b, float(fb / full_bytes))
-    if loss_budget is not None:
-        head.append(artifact_row(art, TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
-                                f"budget {loss_budget[0]}: fast tier {100 * loss_budget[1]:.0f}% of full KV",
-                                loss_budget[1] <= 0.5))
-    else:
-        head.append(artifact_row(art, TECH, "fast-tier memory <= 50% of full KV where accuracy loss <= 2 points",
-                                f"no measured budget ({', '.join(str(b) for b in budgets)}) kept the loss <= 2 points",
-                                False if budgets else None))
-    sekv_ms = [r["decode_ms_per_token"] for r in main["results"] if r["method"] == "sekv"
-               and abs(r["budget"] - MAIN_BUDGET) < 1e-9]
-    if sekv_ms and full_rows:
-        ratio = float(np.mean(sekv_ms)) / full_ms
-        head.append(artifact_row(art, TECH, "decode latency <= 1.5x full KV (this CPU)", f"{ratio:.2f}x", ratio <= 1.5))
-    intro = (f"Model {main['model']}, router {main.get('router')}. Protocol: the context is prefilled and compressed "
-             "without the question, then each question is fed and answered greedily (niah_4q: four questions on one "
-             "compressed context). Budget = fast-tier bytes / full KV bytes of the context, the same for every method; "
-             "kvpress presses ran in an isolated environment "
-             f"({json.dumps(main.get('kvpress', {}).get('versions', {}))}) on the same model directory and task files. "
-             "sentencekv is an in-project SentenceKV-like static grouping (sentence summaries, never expanded); quest an in-project Quest-like page selection (page min/max keys). "
-             f"Averages are over the needle tasks the full cache answers well in this run (>= 0.8): {', '.join(avg_tasks)}; "
-             f"the others and the weak tasks of the reference model ({', '.join(WEAK)}) are shown but not averaged. "
-             "Held-out perplexity (task ppl): a held-out text is cut into a context, prefilled and compressed, and a "
-             "continuation of up to 64 tokens fed one token at a time through the compressed cache; the first "
-             "continuation token is fed, the rest scored (perplexity = exp(mean NLL); lower is better). "
-             f"Produced by: {main.get('command', 'kvstate semantic eval')}.")
-    hybrid_tables, hybrid_note, hybrid_summary = _hybrid(models_dir)
-    intro += hybrid_note
-    tables = [Table(f"Accuracy at 25% fast-tier budget, {length} tokens (full: no compression); avg over the tasks named above",
-                    ["method", *[t + (" (weak)" if t in WEAK else "") for t in tasks], "avg"], acc_rows),
-              Table(f"Bytes per tier, expansion and decode latency at 25%, {length} tokens",
-                    ["method", "fast bytes", "fast / full", "slow bytes", "slow / full", "expanded fraction",
-                     "ms / token (its own run; kvpress: transformers 5.2 process)", "latency / full (same run)"],
-                    byte_rows)]
-    if len(budgets) > 1:
-        stale = "" if sweep_art.status == "current" else f" [{sweep_art.status}: {sweep_art.reason}]"
-        tables.append(Table(f"Average accuracy per budget, {length} tokens (tasks named above; other budgets from "
-                            f"eval_sweep.json{stale})", ["budget", *[m for m in methods if m != "full"]],
-                            sweep_rows))
-    if ppl_table is not None:
-        tables.append(ppl_table)
-    tables += hybrid_tables
-    not_run = main.get("kvpress", {}).get("not_run", {})
+    title = "Resolution: SEKV, the resolution-adaptive semantic KV cache"
+    art = load_artifact(models_dir / "ref-attn-sekv" / "eval.json", EVAL_COMMAND)
+    rows = _new_rows(art.run)
+    if not rows:
+        why = "No results" if art.run is None else "No results with byte counts (resident / total / attended)"
+        return Section("semantic", title, paper=PAPER, intro=f"{why} in {art.path}; run `{EVAL_COMMAND}`.",
+                       headline=[artifact_row(art, TECH, "SEKV benchmark at equal bytes", "")])
+    run = art.run
+    solved = _solved(run)
+    length = HEAD_LENGTH if any(r["length"] == HEAD_LENGTH for r in rows) else max(r["length"] for r in rows)
+    points = _points(run, rows, length, solved)
+    figures = _plots(points, length, out_dir)
+    tables = [_grid(run, rows, solved)]
+    slow = run.get("slow_tier", [])
+    if slow:
+        lines = []
+        for e in slow:
+            ranks = {int(k): v for k, v in e["rank_histogram"].items()}
+            caps = {int(k): v for k, v in e["cap_histogram"].items()}
+            mean = lambda h: sum(k * v for k, v in h.items()) / max(sum(h.values()), 1)  # noqa: E731
+            lines.append([e["method"], e["budget"], e["length"], round(e["slow_bytes"] / max(e["raw_span_bytes"], 1), 3),
+                          round(e["slow_bytes"] / max(e["budget_bytes"], 1), 3), round(mean(ranks), 2),
+                          round(mean(caps), 2), max(ranks, default=0)])
+        tables.append(Table("Slow tier against its budget (ranks of every span's keys and values vs the byte cap)",
+                            ["method", "budget", "length", "slow / raw span K/V", "slow / slow budget", "mean rank",
+                             "mean cap n·D/(n+D)", "max rank"], lines))
+    not_run = run.get("not_run", [])
     if not_run:
-        tables.append(Table("kvpress presses not run", ["press", "why"], [[k, v] for k, v in not_run.items()]))
-    return Section("semantic", "Resolution: SEKV, the resolution-adaptive semantic KV cache", paper=PAPER, intro=intro, tables=tables,
-                   figures=[fig] if fig else [],
-                   summary={"avg_needle_accuracy_25": {m: _avg(main["results"], m, None if m == "full" else MAIN_BUDGET,
-                                                               avg_tasks) for m in methods},
-                            "niah_cells_correct": niah_correct,
-                            "ppl": {f"{r['method']}@{r['budget']}@{r['length']}": r["score"] for r in ppl_rows},
-                            "hybrid_avg_accuracy": hybrid_summary},
-                   headline=head)
-
-
-SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.5,0.125 "
-                 "--task niah_single,niah_multikey,niah_4q --length 1024 --n 100 --seed 1000 "
-                 "--methods sekv,sentencekv,quest --json --out models/ref-attn-sekv/eval_sweep.json")
-HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv --budget 0.25 "
-                  "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 --methods full,sekv "
-                  "--json --save models/ref-hybrid-sekv/eval.json")
-EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 "
-                "--task niah_single,niah_multikey,niah_4q,ppl --length 1024 --n 100 --seed 1000 "
-                "--methods full,sekv,sentencekv,quest,kvpress --json --out models/ref-attn-sekv/eval.json")
+        tables.append(Table("Methods not run (never scored 0)", ["method", "budget", "why"],
+                            [[e["method"], e["budget"], e["reason"]] for e in not_run]))
+    tables += _ppl(models_dir)
+    hybrid_tables, hybrid_head = _hybrid(models_dir)
+    tables += hybrid_tables
+    head = _headline(art, run, rows, solved) + hybrid_head
+    intro = (f"Model {run['model']}, router {run.get('router')}. Protocol: the context is prefilled and compressed "
+             "without the question, then each question is fed to a copy of the compressed cache and answered greedily "
+             "(niah_4q: four questions on one compressed cache). The budget caps, at every forward pass, the bytes a "
+             "method keeps on the device and reads — kept K/V, summaries, metadata and every reconstructed span or "
+             "fetched page (union over heads) — at budget x the full KV of the tokens seen; the slow tier is counted "
+             "in total bytes. Accuracies pool the questions of the tasks the full cache solves (>= 0.9) at each "
+             f"length: {', '.join(f'{L}: {sorted(t)}' for L, t in sorted(solved.items()))}. "
+             "In-project baselines: quest (Quest-like pages), sentencekv (SentenceKV-like sentence retrieval), "
+             "streaming (StreamingLLM-like sinks + window); sekv_fresh decides afresh at every step (no working "
+             "set), sekv_raw keeps the slow tier raw (the low-rank ablation). "
+             f"Produced by: {run.get('command', EVAL_COMMAND)}.")
+    summary = {f"{m}@{p[0]}": {"attended": round(p[1], 4), "total": round(p[2], 4), "accuracy": round(p[3].value, 4),
+                               "ci": [round(p[3].lo, 4), round(p[3].hi, 4)]}
+               for m, pts in points.items() for p in pts}
+    return Section("semantic", title, paper=PAPER, intro=intro, tables=tables, figures=figures,
+                   summary={"length": length, "points": summary, "not_run": len(not_run)}, headline=head)

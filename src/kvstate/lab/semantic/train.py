@@ -8,7 +8,9 @@ stays frozen; only the routing projections, zoom thresholds and rank-gate predic
 - *zoom supervision*: BCE of each span's zoom logit (max over the question / answer queries) against
   "this span holds >= ``mass`` of the teacher's attention for that head";
 - *reconstruction*: relative error of the gated low-rank reconstruction of span K/V;
-- *budget penalties*: the mean zoom gate (expansion) and the mean rank gate (slow-tier size).
+- *budget penalties*: the mean zoom gate (expansion), and the slow-tier bytes the rank gates keep beyond
+  the slow-tier budget (``sum of gates x (n + D) / (n D)`` per span, above ``slow_budget``), so the
+  predictor learns ranks that fit the budget the cache allocates under.
 
 Examples come from the training seed stream of :mod:`kvstate.lab.workloads.tasks`, never the evaluation one.
 """
@@ -58,6 +60,7 @@ class TrainConfig:
     w_rec: float = 1.0
     w_expand: float = 0.05
     w_rank: float = 0.02
+    slow_budget: float = 0.25  # slow-tier bytes / raw span K/V the rank gates are trained under
     rec_spans: int = 8  # spans per layer per step for the reconstruction loss
     seed: int = 0
 
@@ -72,6 +75,7 @@ class TrainConfig:
         if self.max_steps is not None:
             i("max_steps", self.max_steps, 1, 10**9, hint=" or None (the --minutes budget alone)")
         f("budget", self.budget, 0.0, 1.0, lo_open=True)
+        f("slow_budget", self.slow_budget, 0.0, 1.0, lo_open=True)
         f("mass", self.mass, 0.0, 1.0, lo_open=True, hi_open=True)
         for name in ("lr", "pos_weight"):
             f(name, getattr(self, name), 0.0, lo_open=True)
@@ -145,7 +149,8 @@ def train_step(model: Any, router: SemanticRouter, tokenizer: Any, cfg: TrainCon
         logits = model(input_ids=ids, position_ids=torch.arange(t)[None]).logits.float()  # (1, T, V)
     teacher = logits[0, tc:]  # (Tr, V): next-token predictions at the question / answer positions
     s = surprisal(logits[:, :tc], ids[:, :tc])  # (Tc,)
-    cache = SemanticCache(model, router, SemanticConfig(budget=cfg.budget, segment=cfg.segment, zoom="soft"))
+    cache = SemanticCache(model, router, SemanticConfig(budget=cfg.budget, segment=cfg.segment, zoom="soft",
+                                                        slow_budget=cfg.slow_budget))
     for layer in cache.semantic_layers:  # fill the full-resolution context from the teacher pass
         _, k, v = cap[layer.layer_idx]
         layer.update(k[:, :, :tc], v[:, :, :tc])
@@ -175,7 +180,9 @@ def train_step(model: Any, router: SemanticRouter, tokenizer: Any, cfg: TrainCon
             for x, is_v in ((kc[:, a:b], False), (v[0, :, a:b], True)):
                 rec, gates = gated_reconstruction(x, router.rank_gate, is_v)
                 losses["rec"] = losses["rec"] + ((rec - x) ** 2).sum() / (x**2).sum().clamp_min(1e-12) / len(pick)
-                losses["rank"] = losses["rank"] + gates.mean() / len(pick)
+                n, d = x.shape[-2], x.shape[-1]
+                kept = gates.mean(0).sum() * (n + d) / (n * d)  # gated slow-tier bytes / raw bytes of this span
+                losses["rank"] = losses["rank"] + torch.relu(kept - cfg.slow_budget) / len(pick)
     with semantic_attention(model):
         student = model(input_ids=ids[:, tc:], position_ids=torch.arange(tc, t)[None], cache=cache).logits[0].float()
     distill = nn.functional.kl_div(torch.log_softmax(student, -1), torch.log_softmax(teacher, -1),
