@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate.prefix.envelope import upper_hull
-from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
+from kvstate.prefix.placement import (
+    METHODS,
+    _next_hull,
+    expected_recompute,
+    plan_checkpoints,
+    plan_quadratic_dp,
+)
 
 
 @cache
@@ -229,6 +235,26 @@ def test_upper_hull_matches_monotone_chain() -> None:
         else:
             y = rng.random(n)
         assert upper_hull(x, y).tolist() == _monotone_chain(x, y), case
+
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 300), st.integers(0, 2**32 - 1), st.integers(0, 4))
+def test_warm_started_hull_equals_the_hull_of_all_points(n: int, seed: int, kind: int) -> None:
+    """_next_hull (the previous layer's vertices plus the points above their polyline) == the monotone chain,
+    whatever the previous vertices were: a real DP layer's, random ones, or a single end point."""
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.choice(10_000, n, replace=False)).astype(np.float64)
+    y = rng.normal(size=n).cumsum() if kind % 2 else np.round(rng.normal(size=n))
+    if kind == 0:  # the previous layer: the hull of a perturbed copy
+        prev = upper_hull(x, y + rng.normal(scale=0.5, size=n))
+    elif kind == 4:  # concave run then a far high point
+        y = -((x - 5000.0) ** 2) / 1e4
+        y[-1] += rng.random() * 5e3
+        prev = upper_hull(x, y - np.linspace(0, 3e3, n))
+    else:
+        prev = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False))
+    assert _next_hull(x, y, prev).tolist() == _monotone_chain(x, y)
 
 
 BAD = [
