@@ -25,9 +25,8 @@ whose cell ``[g, g + align)`` holds no mass are dominated and dropped first (``K
 Complexity, honestly: the paper's ``O(NM)`` uses a sequential monotone convex-hull trick; a Python
 loop of ``N * M`` steps is far too slow here, so each layer is whole-array NumPy work instead — a hull
 from :func:`kvstate.prefix.envelope.upper_hull` (``O(K)`` per pass; a small input-dependent number of
-passes, at most 12 per layer on the benchmark shapes at ``K = 131072``; when the previous layer's hull was
-small, only its vertices and the points above their polyline are hulled, :func:`_next_hull`) and a
-``searchsorted``
+passes, at most 12 per layer on the benchmark shapes at ``K = 131072``, after the least concave majorant's
+vertices — one C call — cut the candidates) and a ``searchsorted``
 (``O(K log K)`` in C, the largest single cost). Overall ``O(M K log K)`` time in practice and
 ``O(M K)`` int32 back-pointers (32 MiB at ``K = 131072, M = 64``); the layer loop stops early once
 another slot changes nothing. Measured numbers are in ``benchmarks/prefix_planner.py``. Depths
@@ -235,9 +234,8 @@ def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
     f = base.copy()  # layer 1: one checkpoint
     args: list[npt.NDArray[np.int32]] = [np.zeros(g.size, dtype=np.int32)]
     neg_x = -x  # non-decreasing
-    hull: IntArray | None = None
     for _ in range(2, slots + 1):
-        hull = _next_hull(g, f, hull)
+        hull = upper_hull(g, f)
         gh, fh = g.take(hull), f.take(hull)
         # line hull[k] is best for x in [slope[k], slope[k-1]]: k = #{slopes > x}; ties go shallower
         slope = np.diff(fh) / np.diff(gh)  # strictly decreasing
@@ -253,30 +251,6 @@ def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
         f = nxt
         args.append(hull.astype(np.int32).take(k))
     return _backtrack(f, args, cand)
-
-
-def _next_hull(g: FloatArray, f: FloatArray, prev: IntArray | None) -> IntArray:
-    """The upper hull of ``(g, f)`` (``g`` strictly increasing), warm-started from the previous layer's hull
-    vertices ``prev`` (sorted indices; the two end points are added when missing).
-
-    Exact: the polyline through the points ``prev`` (at the new ``f``) lies on or under the upper hull of
-    any set holding them, so a point on or under that polyline is never a hull vertex — the hull of
-    ``prev`` plus the points above it (with a rounding margin, which only adds points) is the hull of
-    all. Consecutive layers' hulls share most vertices, so when the hull is small (a quarter of the points
-    or fewer: a few sharp peaks of overlap mass, as behind shared system prompts) this set is too, and the
-    hull of the few points costs fewer whole-array passes than the hull of all of them.
-    """
-    if prev is None or 4 * prev.size > g.size:  # a large hull: the subset saves no pass (measured)
-        return upper_hull(g, f)
-    if prev[0] != 0 or prev[-1] != g.size - 1:  # the polyline must span every x: the end points are vertices
-        prev = np.unique(np.concatenate(([0], prev, [g.size - 1])))
-    line = np.interp(g, g.take(prev), f.take(prev))
-    keep = f >= line - 1e-12 * (1.0 + np.abs(line))  # the margin keeps near-ties: never drops a vertex
-    keep[prev] = True
-    sub = np.flatnonzero(keep)
-    if sub.size == g.size:
-        return upper_hull(g, f)
-    return sub.take(upper_hull(g.take(sub), f.take(sub)))
 
 
 def _backtrack(f: FloatArray, args: Sequence[npt.NDArray[np.int32]], cand: IntArray) -> list[int]:

@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.prefix.envelope import upper_hull
+from kvstate.prefix.envelope import _majorant_vertices, upper_hull
 from kvstate.prefix.placement import (
     METHODS,
-    _next_hull,
     expected_recompute,
     plan_checkpoints,
     plan_quadratic_dp,
@@ -238,23 +237,28 @@ def test_upper_hull_matches_monotone_chain() -> None:
 
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.integers(2, 300), st.integers(0, 2**32 - 1), st.integers(0, 4))
-def test_warm_started_hull_equals_the_hull_of_all_points(n: int, seed: int, kind: int) -> None:
-    """_next_hull (the previous layer's vertices plus the points above their polyline) == the monotone chain,
-    whatever the previous vertices were: a real DP layer's, random ones, or a single end point."""
+def test_majorant_candidates_hold_every_hull_vertex_and_the_hull_is_the_monotone_chain(n, seed, kind) -> None:
+    """The pool-adjacent-violators candidates (least concave majorant) hold every vertex of the sequential
+    monotone chain, and upper_hull equals it: collinear runs, ties, a far point over a concave run."""
     rng = np.random.default_rng(seed)
     x = np.sort(rng.choice(10_000, n, replace=False)).astype(np.float64)
-    y = rng.normal(size=n).cumsum() if kind % 2 else np.round(rng.normal(size=n))
-    if kind == 0:  # the previous layer: the hull of a perturbed copy
-        prev = upper_hull(x, y + rng.normal(scale=0.5, size=n))
-    elif kind == 4:  # concave run then a far high point
+    if kind == 0:
+        y = rng.normal(size=n).cumsum()
+    elif kind == 1:
         y = -((x - 5000.0) ** 2) / 1e4
         y[-1] += rng.random() * 5e3
-        prev = upper_hull(x, y - np.linspace(0, 3e3, n))
+    elif kind == 2:
+        y = np.round(rng.normal(size=n))
+    elif kind == 3:
+        y = 3.0 * x + rng.integers(0, 2, n)  # nearly collinear: steps of one over a line
     else:
-        prev = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False))
-    assert _next_hull(x, y, prev).tolist() == _monotone_chain(x, y)
+        y = rng.random(n)
+    chain = _monotone_chain(x, y)
+    if n > 3:
+        assert set(chain) <= set(_majorant_vertices(x, y).tolist())
+    assert upper_hull(x, y).tolist() == chain
 
 
 BAD = [
