@@ -12,7 +12,7 @@ Timings are medians of ``--repeats`` (default 5) interleaved repeats with and wi
 spread of the per-repeat speed-up; ``--declare`` makes every request declare where it parts from the
 others (:func:`kvstate.lab.prefix.replay.declared_boundaries`).
 Usage: ``python benchmarks/prefix_replay.py [--requests 200] [--scale 0.125] [--repeats 5] [--declare]
-[--planners optimal balanced] [--out FILE]``.
+[--planners optimal balanced] [--workloads chat quality] [--no-example] [--out FILE]``.
 
 ``--placement path tree [--workloads quality system_prompts] [--grid B:M,...] [--no-baseline]`` compares
 tree placement (exact DP over the radix tree) with per-path placement at the same byte budget instead
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache prefills (faster)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timing repeats with and without the cache")
     ap.add_argument("--declare", action="store_true", help="requests declare where they part (document ends)")
+    ap.add_argument("--no-example", action="store_true", help="skip the 12-request example")
     ap.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=["optimal", "balanced", "block", "log",
                                                                              "sqrt", "junction"])
     args = ap.parse_args()
@@ -148,6 +149,7 @@ def main() -> None:
         "system_prompts": generate("system_prompts", args.requests, seed=0, vocab=vocab, scale=args.scale),
         "chat": generate("chat", args.requests, seed=0, vocab=vocab, scale=args.scale),
     }
+    workloads = {k: v for k, v in workloads.items() if k in args.workloads}
     rows = []
     print(
         f"{'workload':>15} {'planner':>9} {'reqs':>5} {'reused':>8} {'predicted':>9} {'ratio':>6} "
@@ -169,11 +171,13 @@ def main() -> None:
                 flush=True,
                 file=sys.stderr,
             )
-    twelve = run_twelve(model, vocab)
-    print(
-        f"12-request example: third question of each document reused {twelve['third_question_reused']} tokens",
-        file=sys.stderr,
-    )
+    twelve = None if args.no_example else run_twelve(model, vocab)
+    if twelve is not None:
+        print(
+            f"12-request example: third question of each document reused {twelve['third_question_reused']} "
+            "tokens",
+            file=sys.stderr,
+        )
     out = {
         "benchmark": "prefix_replay",
         "model": str(MODEL),

@@ -29,6 +29,9 @@ class PrefixCacheConfig:
     placement: str = "path"  # "path": `planner` on each request's path; "tree": exact DP over a bounded subtree
     remote: str | None = None  # shared tier for replicas, "redis://host:port/db" (None: this process only)
     remote_retry_s: float = 1.0  # after the shared tier failed, serve local-only this long before retrying
+    # a checkpoint captured mid-prompt costs an extra forward call: capture only where the tokens it is
+    # expected to save (overlap mass it serves × tokens saved) reach this; None: half the checkpoint grid
+    capture_min_saving: float | None = None
 
     def __post_init__(self) -> None:
         # type and range first: a NaN budget never evicts, a True slot count slips through int()
@@ -49,3 +52,6 @@ class PrefixCacheConfig:
         if self.remote is not None:
             check_remote_url(self.remote)
         check_float("remote_retry_s", self.remote_retry_s, 0.0, 3600.0, error=KVStateError)
+        if self.capture_min_saving is not None:
+            check_float("capture_min_saving", self.capture_min_saving, 0.0, 1e12, error=KVStateError,
+                        hint="; None uses half the checkpoint grid, 0 captures every planned position")

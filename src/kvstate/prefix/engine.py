@@ -50,7 +50,9 @@ from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Tx
 @dataclass
 class PrefillResult:
     logits: torch.Tensor  # (1, V) logits of the last position
-    cache: ResumableCache  # the first T-1 tokens: model.generate(input_ids, cache=..., attention_mask=...) feeds the last one
+    # the first T-1 tokens: model.generate(input_ids, cache=..., attention_mask=...) feeds the last one;
+    # with prefill(..., full_state=True) all T tokens (decode from `logits`, feeding the new token at T)
+    cache: ResumableCache
     reused_tokens: int  # tokens restored from the store
     recomputed_tokens: int  # tokens run through the model
     new_tokens: int  # tokens the store did not hold at all
@@ -120,6 +122,9 @@ class SparsePrefixCache:
                 flops_per_token=2.0 * n_params,
                 placement=cfg.placement,
                 align=self.align,
+                capture_min_saving=(
+                    self.align / 2 if cfg.capture_min_saving is None else float(cfg.capture_min_saving)
+                ),
             ),
             planner=self._plan,
             splitter=split_segment,
@@ -256,6 +261,8 @@ class SparsePrefixCache:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         boundaries: Sequence[int] | None = None,
+        *,
+        full_state: bool = False,
     ) -> PrefillResult:
         """Serve one prompt. ``attention_mask`` may be given but must be all ones (a batch of one, no padding):
         the cache is built with positions ``0..T-1``, which is what ``generate`` uses for an all-ones mask.
@@ -264,17 +271,25 @@ class SparsePrefixCache:
         part from this one — the end of a document or of each chat message (:func:`chat_boundaries`). The
         state there is captured in this same pass while it pays off (it competes with the planned positions
         for ``slots_per_entry``; ``docs/techniques.md#position``), so the next request sharing the prefix up
-        to a boundary resumes from it."""
+        to a boundary resumes from it.
+
+        ``full_state=True``: the returned cache holds all ``T`` tokens, for a caller with its own decode loop
+        (sample from ``logits``, feed the new token at position ``T``). The pass is then one forward call
+        fewer: the end state kept for later requests is the one after ``T`` tokens, which the pass ends on,
+        instead of after ``T-1``, which needs a call boundary there."""
         input_ids, tokens = self._tokens(input_ids, attention_mask)
         n = len(tokens)
+        end = n if full_state else n - 1  # the end state this request keeps, and the returned cache's length
         ones = torch.ones_like(input_ids)
         with self._lock:
-            txn = self.store.begin(tokens, boundaries=() if boundaries is None else boundaries)
+            txn = self.store.begin(
+                tokens, boundaries=() if boundaries is None else boundaries, full_state=full_state
+            )
             hit, start = txn.hit, txn.hit.position
             if hit.full:  # nothing to compute or insert: the stored logits and end state
                 try:
                     logits = txn.logits.to(self._device, copy=True)
-                    served = PrefillResult(logits, self._restore(txn, n - 1), n, 0, 0, 0, ones)
+                    served = PrefillResult(logits, self._restore(txn, end), n, 0, 0, 0, ones)
                 except BaseException:
                     self.store.abort(txn)
                     raise
@@ -293,12 +308,13 @@ class SparsePrefixCache:
                     self.model.config, self._kinds, parts, remote_state, start, self._device
                 )
             else:
-                cache = self._restore(txn, start) if start else None  # what it restores is pinned
+                # what it restores is pinned; an empty resumable cache when the pass returns it as is
+                cache = self._restore(txn, start) if start or full_state else None
             rec = self.store.config.has_recurrent
             capture = [p for p in txn.capture if p > start]
-            cuts = sorted(set(capture) | ({n - 1} if rec and n - 1 > start else set()))
+            cuts = sorted(set(capture) | ({end} if rec and end > start else set()))
             result_cache: ResumableCache
-            if remote is not None and start == n - 1:  # the forward pass below advances `cache` in place
+            if remote is not None and start == end:  # the forward pass below advances `cache` in place
                 result_cache = build_cache(self.model.config, self._kinds, parts, remote_state, start, self._device)
             out = segmented_prefill(
                 self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent"
@@ -307,7 +323,10 @@ class SparsePrefixCache:
             states = {p: to_device(out.snapshots[p], dev) for p in capture}
             if remote_state is not None and start in txn.capture:
                 states[start] = to_device(remote_state, dev)
-            if rec and n - 1 > start:
+            if full_state:
+                assert isinstance(out.cache, ResumableCache)
+                result_cache = out.cache.seal(n)  # all n tokens, no copy: the store copies what it keeps
+            elif rec and n - 1 > start:
                 result_cache = build_cache(
                     self.model.config,
                     self._kinds,
@@ -413,8 +432,9 @@ class SparsePrefixCache:
         with self._lock:
             self.store.unpin(tokens)
 
-    def lookup(self, input_ids: torch.Tensor) -> Hit:
-        """Where a request would resume, without computing, recording or inserting anything."""
+    def lookup(self, input_ids: torch.Tensor, full_state: bool = False) -> Hit:
+        """Where a request would resume (served as ``prefill(..., full_state=...)``), without computing,
+        recording or inserting anything."""
         _, tokens = self._tokens(input_ids, None)
         with self._lock:
-            return self.store.lookup(tokens)
+            return self.store.lookup(tokens, full_state)

@@ -14,7 +14,10 @@ so the hull is found with whole-array NumPy steps:
    extreme-slope point of the other, and back; a few whole-array segment reductions per step), and
    the points under each bridge are dropped.
 
-A chain with no reflex vertex is concave, hence is the upper hull. Every step only removes points
+A chain with no reflex vertex is concave, hence is the upper hull. Before the passes, the candidates are
+cut to the vertices of the least concave majorant found by the pool-adjacent-violators algorithm
+(``scipy.optimize.isotonic_regression`` on the chord slopes, in C): on the placement DP's layers that
+is the hull already, and the passes only confirm it. Every step only removes points
 lying under a segment between two remaining points, so the result is exact up to float rounding of
 the orientation tests. Ignores: lower hulls and unsorted input (callers pass sorted grids).
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+from scipy.optimize import isotonic_regression
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -38,7 +42,27 @@ def upper_hull(x: FloatArray, y: FloatArray) -> IntArray:
     """Indices of the upper-hull vertices of ``(x[i], y[i])``, ``x`` strictly increasing, in order.
 
     Collinear middle points are dropped, so consecutive hull edges have strictly decreasing slopes.
+    The candidates come from the least concave majorant (:func:`_majorant_vertices`, one C call); the
+    whole-array passes then only confirm them (and drop what rounding let through).
     """
+    if x.size > 3:
+        cand = _majorant_vertices(x, y)
+        if cand.size < x.size:
+            return cand.take(_hull_passes(x.take(cand), y.take(cand)))
+    return _hull_passes(x, y)
+
+
+def _majorant_vertices(x: FloatArray, y: FloatArray) -> IntArray:
+    """The vertices of the least concave majorant of ``(x, y)``: its slopes are the antitonic regression of
+    the chord slopes weighted by their widths (the pool-adjacent-violators algorithm, SciPy's C code), so
+    the majorant's edges are the pooled blocks and its vertices their starts (plus the last point)."""
+    dx = np.diff(x)
+    blocks: IntArray = isotonic_regression(np.diff(y) / dx, weights=dx, increasing=False).blocks
+    return blocks.astype(np.int64, copy=False)
+
+
+def _hull_passes(x: FloatArray, y: FloatArray) -> IntArray:
+    """The upper hull by whole-array passes (see the module docstring): drop reflex vertices, bridge runs."""
     # cross >= 0: the middle point is on or below the chord of its neighbours (not a vertex)
     cross = (x[1:-1] - x[:-2]) * (y[2:] - y[:-2]) - (y[1:-1] - y[:-2]) * (x[2:] - x[:-2])
     reflex = np.flatnonzero(cross >= 0) + 1

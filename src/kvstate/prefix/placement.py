@@ -24,8 +24,9 @@ whose cell ``[g, g + align)`` holds no mass are dominated and dropped first (``K
 
 Complexity, honestly: the paper's ``O(NM)`` uses a sequential monotone convex-hull trick; a Python
 loop of ``N * M`` steps is far too slow here, so each layer is whole-array NumPy work instead — a hull
-from :func:`kvstate.prefix.envelope.upper_hull` (``O(K)`` per pass; a small input-dependent number of
-passes, at most 12 per layer on the benchmark shapes at ``K = 131072``) and a ``searchsorted``
+from :func:`kvstate.prefix.envelope.upper_hull` (the least concave majorant's vertices by the
+pool-adjacent-violators algorithm, one C call, then ``O(K)`` whole-array passes that confirm them) and a
+``searchsorted``
 (``O(K log K)`` in C, the largest single cost). Overall ``O(M K log K)`` time in practice and
 ``O(M K)`` int32 back-pointers (32 MiB at ``K = 131072, M = 64``); the layer loop stops early once
 another slot changes nothing. Measured numbers are in ``benchmarks/prefix_planner.py``. Depths

@@ -46,6 +46,7 @@ from kvstate.prefix import tree_plan
 from kvstate.prefix.store_eviction import TreeEviction
 from kvstate.prefix.store_learning import OverlapLearning, Undo
 from kvstate.prefix.store_types import (
+    FloatArray,
     Hit,
     KVSource,
     Node,
@@ -64,7 +65,7 @@ NO_REUSE_WARN_AFTER = 32  # served requests in a row with an overlap and no reus
 DRY_MIN_OVERLAP = 16  # overlap (tokens, and at least one `align` step) that such a request must have had
 
 __all__ = ["Hit", "KVSource", "Node", "Planner", "PrefixStore", "Sizer", "Splitter", "State", "StoreConfig",
-           "StoreMetrics", "Txn", "check_boundaries"]
+           "StoreMetrics", "Txn", "check_boundaries", "paying_captures"]
 
 
 def check_boundaries(boundaries: Sequence[int], n: int) -> tuple[int, ...]:
@@ -86,6 +87,27 @@ def check_boundaries(boundaries: Sequence[int], n: int) -> tuple[int, ...]:
             f"boundaries: {list(out[:10])} must be strictly increasing (sorted, no duplicates); {fix}."
         )
     return out
+
+
+def paying_captures(
+    weights: FloatArray, capture: Sequence[int], start: int, end: int, min_saving: float
+) -> list[int]:
+    """The captures worth their extra forward call: each checkpoint ``p`` saves ``p - prev`` tokens (``prev``:
+    the next shallower state — another capture, the resume point ``start``, or nothing) for every overlap
+    observed at a depth it serves (``p`` up to the next deeper capture, or to the request's end state at
+    ``end``, which serves the depths from there on). Repeatedly drops the capture whose expected saving (that
+    mass × those tokens) is lowest while it is below ``min_saving``; what remains all pays off.
+    ``weights``: overlap mass over depths ``0..n``; captures lie in ``(start, end)``."""
+    keep = sorted(capture)
+    mass = np.concatenate(([0.0], np.cumsum(np.asarray(weights, dtype=np.float64))))  # mass[d] = w[:d].sum()
+    while keep:
+        anchors = [start, *keep, end]
+        saving = [(p - anchors[i]) * (mass[anchors[i + 2]] - mass[p]) for i, p in enumerate(keep)]
+        worst = int(np.argmin(saving))
+        if saving[worst] >= min_saving:
+            break
+        keep.pop(worst)
+    return keep
 
 
 def _lcp(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
@@ -190,33 +212,40 @@ class PrefixStore(OverlapLearning, TreeEviction):
                 return v.states.get(p)
         return None
 
-    def lookup(self, tokens: tuple[int, ...]) -> Hit:
+    def lookup(self, tokens: tuple[int, ...], full_state: bool = False) -> Hit:
         path, t = self._walk(tokens)
-        return self._hit(path, t, len(tokens))
+        return self._hit(path, t, len(tokens), full_state)
 
-    def _hit(self, path: list[Node], t: int, n: int) -> Hit:
+    def _hit(self, path: list[Node], t: int, n: int, full_state: bool = False) -> Hit:
         stored = t == n and bool(path) and n in path[-1].logits and path[-1].top < n <= path[-1].depth
-        if stored and (not self.config.has_recurrent or n == 1 or self._find_state(path, n - 1) is not None):
+        end = n if full_state else n - 1  # the state a full hit restores
+        if stored and (not self.config.has_recurrent or end == 0 or self._find_state(path, end) is not None):
             return Hit(n, n, 0, True)
         limit = min(t, n - 1)  # the restored cache stops before the last token (generate feeds it)
         pos = limit if not self.config.has_recurrent else self._states_upto(path, limit)
         return Hit(pos, t, limit - pos, False)
 
     # -- the transaction -------------------------------------------------------------------------
-    def begin(self, tokens: tuple[int, ...], serving: bool = True, boundaries: Sequence[int] = ()) -> Txn:
+    def begin(
+        self, tokens: tuple[int, ...], serving: bool = True, boundaries: Sequence[int] = (), full_state: bool = False
+    ) -> Txn:
         """Match, pin, plan; see the module docstring. Nothing is learned here: what the request teaches
         (its overlap, the clocks it touches, tree-plan stamps) is applied by :meth:`commit`. ``serving=False``
         (an insert of already computed state) records no observation and counts no request.
-        ``boundaries``: positions the caller expects later requests to part at (see ``_with_boundaries``)."""
+        ``boundaries``: positions the caller expects later requests to part at (see ``_with_boundaries``).
+        ``full_state``: the request's end state is the one after all ``n`` tokens (a caller that decodes from
+        the last logits) instead of after ``n - 1`` (what ``generate`` extends by feeding the last token)."""
         if not tokens:
             raise ValueError("tokens: a request needs at least one token.")
         n = len(tokens)
         declared = check_boundaries(boundaries, n)
         path, t = self._walk(tokens)
-        hit = self._hit(path, t, n)
+        hit = self._hit(path, t, n, full_state)
+        end = n if full_state else n - 1
         plan: list[int] = []
         taken: tuple[int, ...] = ()
         stamps: tuple[Stamp, ...] | None = None
+        weights: FloatArray | None = None
         if self.config.has_recurrent and self.config.slots_per_entry > 0 and n > 2:
             undo = self._observe(path, t, n) if serving else None  # the plan sees this request's own overlap
             try:
@@ -226,6 +255,8 @@ class PrefixStore(OverlapLearning, TreeEviction):
                     weights = self._path_weights(path, t, n, declared)
                     plan = [p for p in self._planner(weights, n) if 0 < p < n - 1]
                 plan, taken = self._with_boundaries(plan, declared, path, t, n)
+                if self.config.capture_min_saving > 0 and not hit.full and weights is None:
+                    weights = self._path_weights(path, t, n, declared)
             finally:
                 if undo is not None:
                     undo()
@@ -234,10 +265,13 @@ class PrefixStore(OverlapLearning, TreeEviction):
             for p in plan:
                 if p > hit.position and (p > t or self._find_state(path, p) is None):
                     capture.add(p)
-            if self.config.has_recurrent and n - 1 > hit.position:
-                capture.add(n - 1)
+            if capture and weights is not None and self.config.capture_min_saving > 0:
+                capture = set(paying_captures(weights, sorted(capture), hit.position, end,
+                                              self.config.capture_min_saving))
+            if self.config.has_recurrent and end > hit.position:
+                capture.add(end)
         kv: list[tuple[Any, int]] = []
-        upto = n - 1 if hit.full else hit.position
+        upto = end if hit.full else hit.position
         if self.config.has_attention:
             for v in path:
                 if v.top >= upto:

@@ -132,6 +132,9 @@ class StoreConfig:
     placement: str = "path"  # "path": line planner per request path; "tree": exact DP over a subtree
     align: int = 1  # checkpoint grid of the tree placement (the path planner aligns itself)
     tree: TreeLimits = field(default_factory=TreeLimits)  # caps of the tree placement (see tree_plan.py)
+    # a capture costs an extra forward call: make it only when the tokens it is expected to save later
+    # (the overlap mass it serves × the tokens it saves over the next shallower state) reach this; 0: always
+    capture_min_saving: float = 0.0
 
     def __post_init__(self) -> None:
         if self.placement not in ("path", "tree"):
@@ -147,5 +150,7 @@ class StoreConfig:
                 f"budget_bytes={self.budget_bytes:,} is smaller than one recurrent checkpoint, which needs "
                 f"{self.checkpoint_bytes:,} bytes; raise the budget to at least that."
             )
+        if not self.capture_min_saving >= 0:  # NaN fails too
+            raise BudgetError(f"capture_min_saving={self.capture_min_saving} must be a number >= 0.")
         if min(self.checkpoint_bytes, self.kv_bytes_per_token, self.logits_bytes) < 0 or self.alpha < 0:
             raise BudgetError("checkpoint_bytes, kv_bytes_per_token, logits_bytes and alpha must be >= 0.")

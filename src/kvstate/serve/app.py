@@ -222,7 +222,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
     """The server for one loaded model and its tokenizer (see :func:`kvstate.serve.server.run`)."""
     cache = None
     if config.budget_bytes is not None:
-        cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes))
+        cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes, remote=config.remote))
     generator = Generator(model, tokenizer, cache)
     counters = metrics.ServerCounters()
     scheduler = Scheduler(config.max_queue, on_job_end=counters.outcome)

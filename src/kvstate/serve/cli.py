@@ -17,6 +17,8 @@ def serve_command(
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait; more get 503.")] = 8,
     served_name: Annotated[str | None, typer.Option("--served-model-name",
                                                     help="Model name clients pass (default: the directory's name).")] = None,
+    remote: Annotated[str | None, typer.Option("--remote", help="A shared prefix tier for replicas, "
+                                               "redis://HOST:PORT/DB (KV and states written through, read on a miss).")] = None,
 ) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
     cache under every request."""
@@ -27,5 +29,6 @@ def serve_command(
         model_id=served_name or model.resolve().name,
         budget_bytes=None if no_cache else budget_bytes,
         max_queue=max_queue,
+        remote=remote,
     )
     run(model, config, host=host, port=port)

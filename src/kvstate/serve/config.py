@@ -1,10 +1,12 @@
-"""The server's one configuration (pure): model name, prefix-cache budget, queue bound, default reply length."""
+"""The server's one configuration (pure): model name, prefix-cache budget and shared tier, queue bound, default
+reply length."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvstate.errors import KVStateError
+from kvstate.prefix.remote import check_remote_url
 from kvstate.validate import check_int
 
 
@@ -15,6 +17,7 @@ class ServeConfig:
     max_queue: int = 8  # requests waiting behind the running one; one more is answered 503 at once
     default_max_tokens: int = 256  # a chat request without max_tokens (completions default to 16, as OpenAI's)
     chat_template: str | None = None  # a Jinja chat template overriding the tokenizer's (and the default)
+    remote: str | None = None  # the prefix cache's shared tier, "redis://host:port/db" (replicas share prefixes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -22,6 +25,10 @@ class ServeConfig:
         if self.budget_bytes is not None:
             check_int("budget_bytes", self.budget_bytes, 1, error=KVStateError,
                       hint="; pass the prefix cache's byte budget, or None for no cache")
+        if self.remote is not None:
+            if self.budget_bytes is None:
+                raise KVStateError("remote: a shared tier needs the prefix cache; drop --no-cache or --remote")
+            check_remote_url(self.remote)
         check_int("max_queue", self.max_queue, 1, 1 << 20, error=KVStateError)
         check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
 

@@ -2,7 +2,7 @@
 
 A request is prefilled through :meth:`SparsePrefixCache.prefill` (resume from the deepest stored state,
 compute the suffix, capture the planned checkpoints — and the message ends as declared checkpoints when
-the engine accepts ``boundaries``), then decoded greedily one token per forward call with explicit
+the engine accepts ``boundaries``; ``full_state=True``: the cache after the whole prompt), then decoded greedily one token per forward call with explicit
 ``position_ids`` on the returned cache. When the reply is complete, prompt + reply is inserted into the
 cache (``insert``: the state after every token but the last, exactly what the next turn's prompt
 extends). A cancelled request (a client that went away) stops at the next token and inserts nothing;
@@ -59,7 +59,9 @@ class Generator:
         self.max_positions: int | None = getattr(text_config(model.config), "max_position_embeddings", None)
         self.eos_ids = self._eos_ids()
         # the engine may take declared checkpoint positions; older engines plan without them
-        self.accepts_boundaries = cache is not None and "boundaries" in inspect.signature(cache.prefill).parameters
+        params = inspect.signature(cache.prefill).parameters if cache is not None else {}
+        self.accepts_boundaries = "boundaries" in params
+        self.accepts_full_state = "full_state" in params  # older engines return generate's T-1 cache only
         self.pinned_nodes = 0  # store nodes still pinned after the last request (0 unless a user pinned one)
 
     def _eos_ids(self) -> frozenset[int]:
@@ -96,12 +98,13 @@ class Generator:
             cache = ResumableCache(self.model.config)
             return cache, self._forward(ids, 0, cache), [], (0, len(ids), 0)
         x = torch.tensor([ids], device=self.device)
-        if self.accepts_boundaries and req.boundaries:
-            res = self.cache.prefill(x, boundaries=list(req.boundaries))
-        else:
-            res = self.cache.prefill(x)
-        # the returned cache covers the first T-1 tokens; the last one is fed with the first reply token
-        return res.cache, res.logits, ids[-1:], (res.reused_tokens, res.recomputed_tokens, res.lost_tokens)
+        kw: dict[str, Any] = {"boundaries": list(req.boundaries)} if self.accepts_boundaries and req.boundaries else {}
+        pending: list[int] = ids[-1:]  # generate's contract: the cache covers T-1 tokens, feed the last one
+        if self.accepts_full_state:  # the cache after all T tokens: decoding starts from the logits
+            kw["full_state"] = True
+            pending = []
+        res = self.cache.prefill(x, **kw)
+        return res.cache, res.logits, pending, (res.reused_tokens, res.recomputed_tokens, res.lost_tokens)
 
     @torch.no_grad()
     def run(self, req: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Generation:

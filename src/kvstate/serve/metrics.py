@@ -3,8 +3,8 @@
 A ``prometheus_client`` collector on a registry of its own (several servers in one process do not
 share counters) reads everything at scrape time: the store's :class:`StoreMetrics` snapshot (requests,
 hits, prompt tokens reused / recomputed / lost to a missing checkpoint, bytes held by kind, evictions,
-rejected inserts), the store nodes left pinned after the last request, the queue's depth and the
-server's own request outcomes and token counts.
+rejected inserts), the store nodes left pinned after the last request, the shared tier's counters and
+``up`` gauge (with ``--remote``), the queue's depth and the server's own request outcomes and token counts.
 """
 
 from __future__ import annotations
@@ -97,6 +97,22 @@ def _cache_metrics(cache: Any, pinned_nodes: int) -> Iterator[Metric]:
                             value=cache.config.budget_bytes)
     yield GaugeMetricFamily("kvstate_prefix_pinned_nodes", "Store nodes pinned after the last request",
                             value=pinned_nodes)
+    r = cache.remote_metrics
+    yield GaugeMetricFamily("kvstate_prefix_remote_enabled", "1 when a shared tier (--remote) backs the cache",
+                            value=int(r is not None))
+    if r is None:
+        return
+    for name, value, doc in (
+        ("hits", r.hits, "Local misses resumed from the shared tier"),
+        ("misses", r.misses, "Local misses the shared tier could not improve on"),
+        ("bad_entries", r.corrupt, "Shared-tier entries refused (bad checksum, another model, wrong shapes)"),
+        ("errors", r.errors, "Shared-tier calls that failed (refused, timed out)"),
+        ("puts", r.puts, "Entries written through to the shared tier"),
+        ("reused_tokens", r.tokens_reused, "Prompt tokens restored from the shared tier beyond the local hit"),
+    ):
+        yield CounterMetricFamily(f"kvstate_prefix_remote_{name}", doc, value=value)
+    yield GaugeMetricFamily("kvstate_prefix_remote_up", "1 while the shared tier answers (0: serving local-only)",
+                            value=int(r.up))
 
 
 def registry(generator: Generator, scheduler: Scheduler, counters: ServerCounters) -> CollectorRegistry:

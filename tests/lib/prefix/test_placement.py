@@ -11,8 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.prefix.envelope import upper_hull
-from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
+from kvstate.prefix.envelope import _majorant_vertices, upper_hull
+from kvstate.prefix.placement import (
+    METHODS,
+    expected_recompute,
+    plan_checkpoints,
+    plan_quadratic_dp,
+)
 
 
 @cache
@@ -229,6 +234,31 @@ def test_upper_hull_matches_monotone_chain() -> None:
         else:
             y = rng.random(n)
         assert upper_hull(x, y).tolist() == _monotone_chain(x, y), case
+
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(2, 300), st.integers(0, 2**32 - 1), st.integers(0, 4))
+def test_majorant_candidates_hold_every_hull_vertex_and_the_hull_is_the_monotone_chain(n, seed, kind) -> None:
+    """The pool-adjacent-violators candidates (least concave majorant) hold every vertex of the sequential
+    monotone chain, and upper_hull equals it: collinear runs, ties, a far point over a concave run."""
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.choice(10_000, n, replace=False)).astype(np.float64)
+    if kind == 0:
+        y = rng.normal(size=n).cumsum()
+    elif kind == 1:
+        y = -((x - 5000.0) ** 2) / 1e4
+        y[-1] += rng.random() * 5e3
+    elif kind == 2:
+        y = np.round(rng.normal(size=n))
+    elif kind == 3:
+        y = 3.0 * x + rng.integers(0, 2, n)  # nearly collinear: steps of one over a line
+    else:
+        y = rng.random(n)
+    chain = _monotone_chain(x, y)
+    if n > 3:
+        assert set(chain) <= set(_majorant_vertices(x, y).tolist())
+    assert upper_hull(x, y).tolist() == chain
 
 
 BAD = [

@@ -51,15 +51,18 @@ def trace_command(
 
 @app.command("replay")
 def replay_command(
-    model_dir: Annotated[Path, typer.Option("--model", help="A local model directory.")],
     trace: Annotated[Path, typer.Option("--trace", help="A JSONL trace with token ids.")],
-    budget_bytes: Annotated[int, typer.Option("--budget-bytes", help="Byte budget of the store.")],
+    model_dir: Annotated[Path | None, typer.Option("--model", help="A local model directory (not with --server).")] = None,
+    budget_bytes: Annotated[
+        int | None, typer.Option("--budget-bytes", help="Byte budget of the store (not with --server).")
+    ] = None,
     slots: Annotated[
-        list[str], typer.Option("--slots", help="Checkpoint slots per request path: a comma-separated list or repeated.")
-    ],
+        list[str] | None,
+        typer.Option("--slots", help="Checkpoint slots per request path: a comma-separated list or repeated."),
+    ] = None,
     planner: Annotated[
-        list[str], typer.Option("--planner", help="Placement methods: a comma-separated list or repeated.")
-    ],
+        list[str] | None, typer.Option("--planner", help="Placement methods: a comma-separated list or repeated.")
+    ] = None,
     limit: Annotated[int | None, typer.Option("--limit", help="Only the first N requests.")] = None,
     align: Annotated[
         int | None, typer.Option("--align", help="Checkpoint grid (default: chunk size).")
@@ -101,6 +104,10 @@ def replay_command(
     if server is not None:
         _replay_server(server, baseline_server, trace, limit, as_json)
         return
+    missing = [f for f, v in (("--model", model_dir), ("--budget-bytes", budget_bytes), ("--slots", slots),
+                              ("--planner", planner)) if v is None]
+    if missing or model_dir is None or budget_bytes is None or slots is None or planner is None:
+        raise KVStateError(f"replay needs {', '.join(missing)} (or --server URL to replay through a running server).")
     if replicas > 1 and remote is None:
         raise KVStateError(f"--replicas {replicas} needs --remote redis://HOST:PORT/DB (the tier they share).")
     slot_counts = parse_ints(",".join(slots), "--slots", lo=0, hi=2**20, example="0,2,8")

@@ -3,7 +3,9 @@
 Sparse prefix caching ("Sparse Prefix Caching for Hybrid and Recurrent LLM Serving") is evaluated in
 the paper offline, from overlap histograms. This replays the requests themselves: each prompt is served
 by the engine (one transaction per request) and, separately, prefilled with no cache; per request it
-records tokens reused / recomputed / lost and both wall-clock times. The offline prediction is what the
+records tokens reused / recomputed / lost and both wall-clock times. Each prompt is served the way a server
+with its own decode loop serves it (``prefill(..., full_state=True)``: the cache after all its tokens and
+the last logits, what the plain prefill returns too). The offline prediction is what the
 placement evaluation (``evaluate.py``) expects for the same trace: one plan on the pooled histogram of
 true overlap depths (the longest common prefix with any earlier request), each request saving the
 deepest planned position at or below its overlap; it assumes every planned checkpoint fits the budget.
@@ -172,7 +174,9 @@ def _serve_all(
     for i, toks in enumerate(tokens):
         ids = torch.tensor([toks], device=device)
         t0 = time.perf_counter()
-        results.append(engines[i % len(engines)].prefill(ids, boundaries=marks[i] if marks else None))
+        results.append(
+            engines[i % len(engines)].prefill(ids, boundaries=marks[i] if marks else None, full_state=True)
+        )
         times.append(time.perf_counter() - t0)
     return results, times
 
