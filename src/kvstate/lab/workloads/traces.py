@@ -29,6 +29,7 @@ import numpy as np
 
 from kvstate.errors import TraceFormatError
 from kvstate.io_safety import read_text_input, write_text_atomic
+from kvstate.prefix.histogram import OverlapHistogram
 from kvstate.validate import check_float, check_int
 
 WORKLOADS = ("quality", "narrativeqa", "system_prompts", "chat")
@@ -115,7 +116,8 @@ def _true_overlaps(reqs: list[Request]) -> list[Request]:
 
 
 def overlap_weights(requests: Iterable[Request], prefix_id: str | None = None, length: int | None = None) -> np.ndarray:
-    """Histogram of overlap depths (weights for ``plan_checkpoints``), for one prefix or all."""
+    """Histogram of overlap depths (weights for ``plan_checkpoints``), for one prefix or all: the library's
+    :class:`~kvstate.prefix.histogram.OverlapHistogram` without decay or smoothing, over the whole trace."""
     depths = [r.overlap for r in requests if prefix_id is None or r.prefix_id == prefix_id]
     if not depths:
         raise TraceFormatError(f"no requests for prefix_id {prefix_id!r} in the trace.")
@@ -124,8 +126,9 @@ def overlap_weights(requests: Iterable[Request], prefix_id: str | None = None, l
         if length < max(depths):
             raise ValueError(f"length: {length} is below the deepest overlap {max(depths)} in the trace; pass "
                              f"length >= {max(depths)} (or None for the deepest overlap)")
-    n = length if length is not None else max(depths)
-    return np.bincount(np.asarray(depths, dtype=np.int64), minlength=n + 1).astype(np.float64)
+    hist = OverlapHistogram(length if length is not None else max(depths))
+    hist.record_many(np.asarray(depths, dtype=np.int64))
+    return hist.weights()
 
 
 def write_trace(path: str | Path, requests: Iterable[Request]) -> None:
