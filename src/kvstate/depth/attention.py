@@ -25,7 +25,6 @@ layouts. Ignored: Qwen3.5 gated attention and other layouts (they raise).
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from kvstate.depth.patterns import LayerSpec, SharingPattern
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.families import LayerKind, layer_kinds, text_config
+from kvstate.models.rotary import family_module, rotate, rotate_qk
 
 # attention class -> whether it normalises q and k per head (Qwen3) before RoPE
 SUPPORTED = {"Qwen3Attention": True, "LlamaAttention": False, "Qwen2Attention": False, "MistralAttention": False}
@@ -100,7 +100,7 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
     if router.route is None:
         raise RuntimeError("kvstate.depth: attention ran outside a routed decoder forward")
     src = router.route.sources[layer]
-    mod = sys.modules[type(self).__module__]
+    mod = family_module(self)
     qk_norm = SUPPORTED[type(self).__name__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -115,14 +115,14 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
             k = self.k_norm(k)
         k = k.transpose(1, 2)  # (B, KVH, T, D)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # (B, KVH, T, D)
-        q, k = mod.apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = rotate_qk(self, q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, layer, kwargs=kwargs)  # (B, KVH, past + T, D)
         router.kv[layer] = (k, v)  # this layer's own K/V (an owner's is also what it attends to)
         if src != layer:
             k, v = router.kv[src]  # own_kv: the source's own K/V (it ran earlier in this pass)
     else:
-        q = q * cos.unsqueeze(1) + mod.rotate_half(q) * sin.unsqueeze(1)  # RoPE on queries only
+        q = rotate(self, q, cos, sin)  # RoPE on queries only
         k, v = router.kv[src]  # the owner ran earlier in this pass (patterns only point backwards)
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, mod.eager_attention_forward)
     out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.families import LayerKind, layer_kinds
+from kvstate.models.rotary import rotary_tables, rotate
 
 K_NORM = {"qwen3": True, "llama": False, "mistral": False, "qwen2": False}  # family -> has per-head k_norm
 
@@ -79,20 +80,6 @@ def capture_inputs(model: Any, which: str = "attn") -> Iterator[dict[int, torch.
             h.remove()
 
 
-def rotary(model: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (1, T, head_dim), of the model's rotary embedding at ``positions`` (T,)."""
-    probe = torch.zeros(1, 1, dtype=next(model.parameters()).dtype)
-    cos, sin = model.model.rotary_emb(probe, positions[None])
-    return torch.as_tensor(cos), torch.as_tensor(sin)
-
-
-def apply_rotary(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate keys (T, H, D) by (1, T, D) cos / sin (half-split convention of Llama / Qwen)."""
-    c, s = cos[0][:, None, :], sin[0][:, None, :]  # (T, 1, D)
-    x1, x2 = k[..., : k.shape[-1] // 2], k[..., k.shape[-1] // 2:]
-    return k * c + torch.cat((-x2, x1), dim=-1) * s
-
-
 def project_kv(model: Any, layer: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys before rotary and values (T, H_kv, D) from a pre-attention input ``h`` (T, hidden), with
     ``model``'s own projections (and ``k_norm``)."""
@@ -133,10 +120,10 @@ def build_cache(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor]
     ``start .. start+T-1``: rotary applied with the model's own embedding, cast to its dtype."""
     dtype = next(model.parameters()).dtype
     t = keys[0].shape[0]
-    cos, sin = rotary(model, torch.arange(start, start + t))
+    cos, sin = rotary_tables(model, torch.arange(start, start + t))
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
-        kr = apply_rotary(k.to(dtype), cos, sin)
+        kr = rotate(model, k.to(dtype), cos[0], sin[0])  # (T, H_kv, D) with (T, D) tables
         cache.update(kr.transpose(0, 1)[None].contiguous(), v.to(dtype).transpose(0, 1)[None].contiguous(), i)
     return cache
 

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from kvstate.models.rotary import rotary_tables
 from kvstate.transfer.payload import Payload, PayloadError, ids_hash
 from kvstate.transfer.quant import KIVI_GROUP, kivi_dequantize, kivi_quantize, kivi_split
-from kvstate.transfer.states import build_cache, capture_inputs, continue_logits, geometry, project_kv, rotary
+from kvstate.transfer.states import build_cache, capture_inputs, continue_logits, geometry, project_kv
 
 METHODS = ("raw", "raw_fp32", "kivi4", "kivi2", "droidspeak")
 KIVI_BITS = {"kivi4": 4, "kivi2": 2}
@@ -110,7 +111,7 @@ def decode_baseline(consumer: Any, payload: Payload, pair: bytes) -> DynamicCach
         keys[i], values[i] = k.view(t, g.n_kv_heads, g.head_dim), v.view(t, g.n_kv_heads, g.head_dim)
     if method == "droidspeak":
         h = payload.tensor("resid", (t, g.hidden_size), torch.float16)[None].to(next(consumer.parameters()).dtype)
-        cos, sin = rotary(consumer, torch.arange(t))
+        cos, sin = rotary_tables(consumer, torch.arange(t))
         with capture_inputs(consumer, "attn") as got:
             for i in range(a, b):
                 h = consumer.model.layers[i](h, attention_mask=None, position_ids=torch.arange(t)[None],
