@@ -5,8 +5,9 @@
 and KV head a joint low-rank decomposition of producer and consumer keys (pre-rotary) and values
 (:func:`kvstate.transfer.lowrank.fit_joint`, separate ranks: the producer's principal code, decoded
 by a scaled orthogonal map into the consumer's space) gives the REUSE encoder / decoder; per
-layer the same for the normalised pre-attention input ``H_in`` plus a small MLP trained on the linear
-map's residual gives the PATCH aligner. On held-out prefixes it then measures, per layer, the raw K/V
+layer a reduced-rank regression of the normalised pre-attention input ``H_in`` (``patch_map="joint"``:
+the orthogonal decomposition instead, an ablation) plus a small MLP trained on the linear map's residual
+gives the PATCH aligner. On held-out prefixes it then measures, per layer, the raw K/V
 drift, the REUSE error, and the error *amplification*: the consumer's next-token KL divergence when
 that layer alone is REUSE-decoded (or alone PATCHed) in an otherwise exact cache, and when that layer
 alone is PATCHed with REUSE at every other layer (the codec's own context). The PATCH layers are the ones
