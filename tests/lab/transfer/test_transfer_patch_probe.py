@@ -29,10 +29,13 @@ def test_exact_replacements_score_as_the_oracle_and_budget_rows_patch_k_layers(m
     cfg = CalibrationConfig(rank_k=16, rank_v=16, rank_h=64, bits=32, prefixes=8, length=48, suffix=8,
                             aligner_steps=0, aligner_hidden=8)
     codec = calibrate_on(model, model, prompts, cfg)  # producer == consumer, full rank: every decode is exact
-    out = run_probe(model, model, tok, {"regress": codec}, n=1, seed=0, length=96)
+    pca = calibrate_on(model, model, prompts, CalibrationConfig(**{**cfg.__dict__, "reuse_map": "pca"}))
+    out = run_probe(model, model, tok, {"regress": codec}, n=1, seed=0, length=96, reuse_codecs={"pca": pca})
     oracle = out["layer"]["oracle"]
     assert set(oracle) == set(TASKS) and len(seen) == 2  # one continuation per item, whatever the cache
-    names = {"oracle", *(f"{v} at layer {i}" for v in ("raw", "reuse", "patch (regress)") for i in range(2))}
+    names = {"oracle", *(f"{v} at layer {i}" for v in ("raw", "reuse", "reuse (pca)", "patch (regress)")
+                         for i in range(2))}
+    assert out["reuse"] == {"pca": oracle} and set(out["calibration"]) == {"regress", "reuse pca"}
     assert set(out["layer"]) == names
     assert all(cells == oracle for cells in out["layer"].values())
     rows = out["budget"]["regress"]

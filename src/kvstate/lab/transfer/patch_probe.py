@@ -8,10 +8,14 @@ only (tuning, never reported as a result), it scores the consumer's greedy answe
   K/V, the codec's REUSE decode, or its PATCH decode (one codec per ``--patch-map``); the oracle holds
   the consumer's own K/V everywhere;
 - **the PATCH budget** k = 0..L: the codec's k layers of largest calibrated gain PATCHed, REUSE elsewhere
-  (``scd_k`` of ``kvstate transfer bench``).
+  (``scd_k`` of ``kvstate transfer bench``);
+- **REUSE maps** (``--reuse-map regress,pca``): other REUSE maps alone at one layer and at every layer, with
+  their calibration's average K/V error and next-token KL (a map fit for average error can win those and
+  still lose retrieval).
 
 Prints one table per part and one JSON line. Usage: ``python -m kvstate.lab.transfer.patch_probe
-[--producer models/ref-attn] [--consumer models/ref-attn-ft] [--n 16] [--seed 2] [--patch-map regress,joint]``.
+[--producer models/ref-attn] [--consumer models/ref-attn-ft] [--n 16] [--seed 2] [--patch-map regress,joint]
+[--reuse-map regress,pca]``.
 Ignored: perplexity and the other tasks (the bench measures those).
 """
 
@@ -30,7 +34,7 @@ from kvstate.lab.decode import greedy_decode
 from kvstate.lab.protocol import TEST_SEED_MIN
 from kvstate.lab.scoring import score
 from kvstate.lab.transfer.bench import budget_layers
-from kvstate.transfer.calibrate import PATCH_MAPS, CalibrationConfig, calibrate_on
+from kvstate.transfer.calibrate import PATCH_MAPS, REUSE_MAPS, CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec
 from kvstate.transfer.states import build_cache, prefill_states
 
@@ -48,8 +52,11 @@ def _answer(consumer: Any, tokenizer: Any, ex: Any, ids: torch.Tensor, keys: lis
 
 @torch.inference_mode()
 def run_probe(producer: Any, consumer: Any, tokenizer: Any, codecs: dict[str, Codec], n: int, seed: int,
-              length: int) -> dict[str, Any]:
-    """``{"layer": {variant: {task: score}}, "budget": {patch_map: [{k, layers, task: score}]}}``."""
+              length: int, reuse_codecs: dict[str, Codec] | None = None) -> dict[str, Any]:
+    """``{"layer": {variant: {task: score}}, "budget": {patch_map: [{k, layers, task: score}]}, "reuse":
+    {reuse_map: {task: score}}}``: ``codecs`` by PATCH map; ``reuse_codecs`` by REUSE map (their REUSE alone at
+    one layer and at every layer)."""
+    reuse_codecs = reuse_codecs or {}
     from kvstate.lab.workloads.tasks import generate
 
     if seed >= TEST_SEED_MIN:
@@ -57,15 +64,21 @@ def run_probe(producer: Any, consumer: Any, tokenizer: Any, codecs: dict[str, Co
     n_layers = next(iter(codecs.values())).geometry.n_layers
     layer: dict[str, dict[str, list[float]]] = {}
     budget: dict[str, dict[int, dict[str, list[float]]]] = {m: {} for m in codecs}
+    reuse: dict[str, dict[str, list[float]]] = {}
     for task in TASKS:
         for ex in generate(task, length, n, seed, tokenizer):
             ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
             pre = ids[:, :-1]
             ps, cs = prefill_states(producer, pre), prefill_states(consumer, pre)
-            repl = {"raw": (ps.k, ps.v)}
+            first = next(iter(codecs.values()))  # the PATCH map does not change the REUSE maps: one REUSE variant
+            repl = {"raw": (ps.k, ps.v), "reuse": first.decode_layers(
+                consumer, first.encode(producer, pre, patch=(), check=False), check=False)}
+            for m, c in reuse_codecs.items():
+                repl[f"reuse ({m})"] = c.decode_layers(consumer, c.encode(producer, pre, patch=(), check=False),
+                                                       check=False)
+                reuse.setdefault(m, {}).setdefault(task, []).append(_answer(consumer, tokenizer, ex, ids,
+                                                                            *repl[f"reuse ({m})"]))
             for m, c in codecs.items():
-                repl[f"reuse ({m})" if len(codecs) > 1 else "reuse"] = c.decode_layers(
-                    consumer, c.encode(producer, pre, patch=(), check=False), check=False)
                 repl[f"patch ({m})"] = c.decode_layers(consumer, c.encode(producer, pre, patch=range(n_layers),
                                                                           check=False), check=False)
             layer.setdefault("oracle", {}).setdefault(task, []).append(_answer(consumer, tokenizer, ex, ids, cs.k, cs.v))
@@ -85,7 +98,15 @@ def run_probe(producer: Any, consumer: Any, tokenizer: Any, codecs: dict[str, Co
             "layer": {name: {t: mean(s) for t, s in cells.items()} for name, cells in layer.items()},
             "budget": {m: [{"k": kk, "layers": budget_layers(codecs[m], kk), **{t: mean(s) for t, s in cells.items()}}
                            for kk, cells in rows.items()] for m, rows in budget.items()},
-            "patch_gain": {m: c.info.get("patch_gain") for m, c in codecs.items()}}
+            "reuse": {m: {t: mean(sc) for t, sc in cells.items()} for m, cells in reuse.items()},
+            "patch_gain": {m: c.info.get("patch_gain") for m, c in codecs.items()},
+            "calibration": {name: {"reuse_err_k": _avg(c.info.get("reuse_err_k")), "reuse_err_v": _avg(
+                c.info.get("reuse_err_v")), "kl_all_layers": c.info.get("kl_all_layers")}
+                for name, c in [*codecs.items(), *(("reuse " + m, c) for m, c in reuse_codecs.items())]}}
+
+
+def _avg(xs: Sequence[float] | None) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -100,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--prefixes", type=int, default=16, help="calibration prefixes of each codec")
     ap.add_argument("--patch-map", default="regress,joint", help=f"codecs to calibrate, of {PATCH_MAPS}")
+    ap.add_argument("--reuse-map", default="", help=f"REUSE maps to compare alone, of {REUSE_MAPS} (e.g. regress,pca)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     producer, tok = load_reference(args.producer)
@@ -108,9 +130,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for m in args.patch_map.split(","):
         cfg = CalibrationConfig(rank_k=16, rank_v=32, rank_h=64, prefixes=args.prefixes, patch_map=m)
         codecs[m] = calibrate_on(producer, consumer, calibration_prompts(tok, cfg), cfg)
-    out = run_probe(producer, consumer, tok, codecs, args.n, args.seed, args.length)
+    reuse_codecs = {}
+    for m in filter(None, args.reuse_map.split(",")):
+        cfg = CalibrationConfig(rank_k=16, rank_v=32, rank_h=64, prefixes=args.prefixes, reuse_map=m, aligner_steps=0)
+        reuse_codecs[m] = calibrate_on(producer, consumer, calibration_prompts(tok, cfg), cfg)
+    out = run_probe(producer, consumer, tok, codecs, args.n, args.seed, args.length, reuse_codecs)
     for name, cells in out["layer"].items():
         print(f"{name:28s} " + "  ".join(f"{t} {s:.3f}" for t, s in cells.items()), file=sys.stderr)
+    for m, cells in out["reuse"].items():
+        print(f"reuse ({m}) at every layer: " + "  ".join(f"{t} {sc:.3f}" for t, sc in cells.items()), file=sys.stderr)
+    for name, cal in out["calibration"].items():
+        print(f"calibration {name}: {cal}", file=sys.stderr)
     for m, rows in out["budget"].items():
         for r in rows:
             print(f"budget ({m}) k={r['k']} {r['layers']}: " + "  ".join(f"{t} {r[t]:.3f}" for t in TASKS),
