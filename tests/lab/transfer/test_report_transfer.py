@@ -178,6 +178,36 @@ def test_both_pairs_side_by_side_when_both_exist(tmp_path: Path) -> None:
     assert "codec-ref-attn-ft2" in sec.headline[0].command and NEAR_ALIGNED.codec in sec.headline[5].command
 
 
+def test_drift_table_shows_the_in_context_patch_gain_when_recorded(tmp_path: Path) -> None:
+    bench = _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0)
+    drift = {k: [0.1, 0.2] for k in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v", "patch_err_k",
+                                     "patch_err_v", "impact_raw", "impact_reuse", "impact_patch")}
+    bench["drift"] = drift
+    _write(tmp_path / "m", bench)
+    table = next(t for t in build(tmp_path / "out", tmp_path / "m").tables if "Per layer" in t.title)
+    assert len(table.columns) == 10 and len(table.rows) == 2
+    bench["drift"] = {**drift, "patch_in_context": [0.5, 0.3], "patch_gain": [0.0, 0.2]}
+    _write(tmp_path / "m", bench)
+    table = next(t for t in build(tmp_path / "out", tmp_path / "m").tables if "Per layer" in t.title)
+    assert table.columns[-2:] == ["KL PATCH (REUSE elsewhere)", "gain"] and table.rows[1][-2:] == [0.3, 0.2]
+
+
 def test_pareto_front_keeps_the_undominated() -> None:
     pts = {"a": (1.0, 0.5), "b": (2.0, 0.9), "c": (2.0, 0.4), "d": (3.0, 0.9), "e": (0.5, 0.5)}
     assert pareto_front(pts) == ["e", "b"]
+
+
+def test_codec_card_shows_the_in_context_patch_gain(tmp_path: Path) -> None:
+    from kvstate.lab.transfer.card import codec_card
+
+    per = {k: [0.1, 0.2] for k in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v", "patch_err_k",
+                                   "patch_err_v", "impact_raw", "impact_reuse", "impact_patch")}
+    cal = {**per, "kl_all_layers": {"raw": 0.9, "reuse": 0.6, "patch_all": 0.4}, "patch_gain": [0.0, 0.19]}
+    m = {"calibration": cal, "geometry": {"n_layers": 2, "n_kv_heads": 2, "head_dim": 16}, "rank_k": 4, "rank_v": 8,
+         "rank_h": 16, "bits": 8, "patch_layers": [1], "producer_fingerprint": "a" * 64, "consumer_fingerprint": "b" * 64}
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert "REUSE at every other layer" not in codec_card(tmp_path, "kvstate transfer calibrate ...")  # older codec
+    cal["patch_in_context"] = [0.7, 0.41]
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    card = codec_card(tmp_path, "kvstate transfer calibrate ...")
+    assert "layer 0 KL 0.7000 gain 0.0000, layer 1 KL 0.4100 gain 0.1900" in card and "REUSE everywhere, 0.6000" in card

@@ -332,13 +332,15 @@ def bench_tables(bench: dict[str, Any], label: str) -> list[Table]:
                           for a in bench["ablation_rank"]]))
     d = bench.get("drift") or {}
     if d.get("raw_drift_k"):
+        keys = ["raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v", "patch_err_k", "patch_err_v",
+                "impact_raw", "impact_reuse", "impact_patch"]
+        cols = ["raw drift K", "raw drift V", "REUSE err K", "REUSE err V", "PATCH err K", "PATCH err V", "KL raw",
+                "KL REUSE", "KL PATCH"]
+        if d.get("patch_in_context"):  # codecs calibrated since the gain is measured in the codec's context
+            keys, cols = [*keys, "patch_in_context", "patch_gain"], [*cols, "KL PATCH (REUSE elsewhere)", "gain"]
         out.append(Table(f"{tag}Per layer, held-out calibration prefixes (relative error; KL = consumer next-token "
-                         "KL when only this layer is replaced)",
-                         ["layer", "raw drift K", "raw drift V", "REUSE err K", "REUSE err V", "PATCH err K",
-                          "PATCH err V", "KL raw", "KL REUSE", "KL PATCH"],
-                         [[i, *(d[k][i] for k in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v",
-                                                  "patch_err_k", "patch_err_v", "impact_raw", "impact_reuse",
-                                                  "impact_patch"))] for i in range(len(d["raw_drift_k"]))]))
+                         "KL when only this layer is replaced, the rest exact unless said)", ["layer", *cols],
+                         [[i, *(d[k][i] for k in keys)] for i in range(len(d["raw_drift_k"]))]))
     return out
 
 
