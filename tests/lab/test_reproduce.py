@@ -14,6 +14,9 @@ def test_every_result_file_a_section_reads_has_a_job():
     expected = {"models/ref-hybrid/prefix_replay.json", "models/ref-hybrid/prefix_tree_replay.json",
                 "models/ref-attn-sekv/eval.json", "models/ref-attn-sekv/eval_sweep.json",
                 "models/ref-hybrid-sekv/eval.json", "models/codec-ref-attn-ft/bench.json",
+                "models/codec-ref-attn-ft/ttft.json",
+                *(f"models/codec-ref-attn-ft2/{f}" for f in ("bench.json", "ttft.json")
+                  if (R.REPO / "models/codec-ref-attn-ft2").is_dir()),  # the shifted pair, once trained
                 *(f"models/{m}/depth_eval.json" for m in ("ref-attn", "ref-attn-norouting", "ref-attn-cla2",
                                                            "ref-attn-rcla", "ref-attn-rcla075", "ref-attn-kv1")),
                 *(f"models/{m}/depth_decode.json" for m in ("ref-attn-rcla", "ref-attn-kv1"))}

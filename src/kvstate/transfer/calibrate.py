@@ -5,11 +5,14 @@
 and KV head a joint low-rank decomposition of producer and consumer keys (pre-rotary) and values
 (:func:`kvstate.transfer.lowrank.fit_joint`, separate ranks: the producer's principal code, decoded
 by a scaled orthogonal map into the consumer's space) gives the REUSE encoder / decoder; per
-layer the same for the normalised pre-attention input ``H_in`` plus a small MLP trained on the linear
-map's residual gives the PATCH aligner. On held-out prefixes it then measures, per layer, the raw K/V
+layer a reduced-rank regression of the normalised pre-attention input ``H_in`` (``patch_map="joint"``:
+the orthogonal decomposition instead, an ablation) plus a small MLP trained on the linear map's residual
+gives the PATCH aligner. On held-out prefixes it then measures, per layer, the raw K/V
 drift, the REUSE error, and the error *amplification*: the consumer's next-token KL divergence when
-that layer alone is REUSE-decoded (or alone PATCHed) in an otherwise exact cache. The PATCH layers
-are the ones where patching removes the most of that downstream error (a fixed count, or ``auto``).
+that layer alone is REUSE-decoded (or alone PATCHed) in an otherwise exact cache, and when that layer
+alone is PATCHed with REUSE at every other layer (the codec's own context). The PATCH layers are the ones
+where patching in that context removes the most downstream error (a fixed count, or ``auto``); a layer
+whose patching does not lower the error there has gain 0 and is chosen last.
 Ignored: joint optimisation of all layers, per-token rank allocation.
 """
 
@@ -36,6 +39,7 @@ from kvstate.transfer.states import build_cache, continue_logits, geometry, pref
 from kvstate.validate import check_float, check_int, check_token_ids
 
 REUSE_MAPS = ("joint", "regress", "pca")
+PATCH_MAPS = ("joint", "regress")
 CALIBRATION_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "qa", "vt", "text")
 
 
@@ -59,6 +63,9 @@ class CalibrationConfig:
     # ablations: "regress" = reduced-rank regression (stretches directions: loses multi-key retrieval);
     # "pca" = the producer's principal subspace decoded back into its own space (no cross-model map)
     reuse_map: str = "joint"
+    # PATCH H_in maps: "joint" = the same angle-keeping decomposition as REUSE; "regress" = reduced-rank
+    # regression (the least-squares fit: shrinks what it cannot predict towards the mean)
+    patch_map: str = "regress"
 
     def __post_init__(self) -> None:
         def i(name: str, lo: int, hi: int, hint: str = "") -> None:
@@ -78,6 +85,8 @@ class CalibrationConfig:
             raise CodecError(f"CalibrationConfig.tasks={self.tasks!r} must be a non-empty tuple without repeats")
         if self.reuse_map not in REUSE_MAPS:
             raise CodecError(f"CalibrationConfig.reuse_map={self.reuse_map!r} must be one of {REUSE_MAPS}")
+        if self.patch_map not in PATCH_MAPS:
+            raise CodecError(f"CalibrationConfig.patch_map={self.patch_map!r} must be one of {PATCH_MAPS}")
         CodecConfig(self.rank_k, self.rank_v, self.rank_h, (), self.bits)
 
 
@@ -169,7 +178,8 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
                 key = {"encoder": "enc", "decoder": "dec", "mean_in": "mu_in", "mean_out": "mu_out"}[part]
                 t[f"{name}.{i}.{key}"] = torch.from_numpy(np.stack([getattr(m, part) for m in maps]))
         hp, hc = torch.cat(acc["hp"][i]), torch.cat(acc["hc"][i])
-        m = fit_low_rank(hp.numpy(), hc.numpy(), cfg.rank_h, cfg.ridge)
+        m = (fit_joint(hp.numpy(), hc.numpy(), cfg.rank_h) if cfg.patch_map == "joint"
+             else fit_low_rank(hp.numpy(), hc.numpy(), cfg.rank_h, cfg.ridge))
         t.update({f"h.{i}.enc": torch.from_numpy(m.encoder), f"h.{i}.dec": torch.from_numpy(m.decoder),
                   f"h.{i}.mu_in": torch.from_numpy(m.mean_in), f"h.{i}.mu_out": torch.from_numpy(m.mean_out)})
         z = (hp - t[f"h.{i}.mu_in"]) @ t[f"h.{i}.enc"]
@@ -180,7 +190,9 @@ def calibrate_on(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor], 
     codec = Codec(CodecConfig(cfg.rank_k, cfg.rank_v, cfg.rank_h, (), cfg.bits), g, model_fingerprint(producer),
                   model_fingerprint(consumer), t)
     info = measure(codec, producer, consumer, hold, cfg.suffix, tick)
-    gain = [round(max(0.0, r - p), 6) for r, p in zip(info["impact_reuse"], info["impact_patch"], strict=True)]
+    # the gain of patching layer i where the codec uses it: with REUSE at every other layer (in an otherwise exact
+    # cache a layer can look worth patching while, next to REUSE layers, patching it costs retrieval)
+    gain = [round(max(0.0, info["kl_all_layers"]["reuse"] - p), 6) for p in info["patch_in_context"]]
     patch = select_patch_layers(gain, None if cfg.patch is None else min(cfg.patch, g.n_layers))
     info.update(patch_gain=gain, config=asdict(cfg), fit_prefixes=len(fit), holdout_prefixes=len(hold),
                 tokens=int(sum(p.shape[1] for p in fit)))
@@ -195,7 +207,7 @@ def measure(codec: Codec, producer: Any, consumer: Any, prompts: Sequence[torch.
     g, n = codec.geometry, codec.geometry.n_layers
     rows: dict[str, list[list[float]]] = {k: [] for k in (
         "raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v", "patch_err_k", "patch_err_v",
-        "impact_raw", "impact_reuse", "impact_patch")}
+        "impact_raw", "impact_reuse", "impact_patch", "patch_in_context")}
     whole: dict[str, list[float]] = {"raw": [], "reuse": [], "patch_all": []}
     for ids in prompts:
         cut = ids.shape[1] - suffix
@@ -219,6 +231,9 @@ def measure(codec: Codec, producer: Any, consumer: Any, prompts: Sequence[torch.
         for name, (sk, sv) in (("impact_raw", (ps.k, ps.v)), ("impact_reuse", (rk, rv)), ("impact_patch", (pk, pv))):
             rows[name].append([kl_with([sk[j] if j == i else ck[j] for j in range(n)],
                                        [sv[j] if j == i else cv[j] for j in range(n)]) for i in range(n)])
+        # the codec's own context: REUSE everywhere but layer i PATCHed (what a PATCH budget actually builds)
+        rows["patch_in_context"].append([kl_with([pk[j] if j == i else rk[j] for j in range(n)],
+                                                 [pv[j] if j == i else rv[j] for j in range(n)]) for i in range(n)])
         whole["raw"].append(kl_with(ps.k, ps.v))
         whole["reuse"].append(kl_with(rk, rv))
         whole["patch_all"].append(kl_with(pk, pv))

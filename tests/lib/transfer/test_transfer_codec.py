@@ -85,6 +85,8 @@ def test_full_rank_pca_reuse_ships_the_producer_kv_to_another_consumer(pair: tup
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(keys + values, ref.k + ref.v, strict=True))
     with pytest.raises(CodecError, match="reuse_map"):
         CalibrationConfig(reuse_map="other")
+    with pytest.raises(CodecError, match="patch_map"):
+        CalibrationConfig(patch_map="pca")
 
 
 def test_patch_at_every_layer_equals_the_consumer_oracle(producer: torch.nn.Module, self_codec: Codec) -> None:
@@ -307,16 +309,21 @@ def test_joint_reuse_maps_a_known_linear_relation_exactly_at_full_rank(producer:
     assert not torch.allclose(pv[0], cs.v[0][:-1], atol=1e-2)  # the producer-space ablation ships the producer's V
 
 
-def test_patch_at_every_layer_equals_another_consumers_own_prefill_on_logits(producer: torch.nn.Module) -> None:
+@pytest.mark.parametrize("patch_map", ["regress", "joint"])
+def test_patch_at_every_layer_equals_another_consumers_own_prefill_on_logits(producer: torch.nn.Module,
+                                                                             patch_map: str) -> None:
     """A consumer with other K/V (but the same H_in): PATCH rebuilds its K/V with its own projections, so its
     logits after the patched cache equal its own prefill's, while raw producer K/V do not."""
     consumer, _ = _related_consumer(producer)
     ids = _prompts(1, 40, seed=12)[0]
     oracle = prefill_states(consumer, ids).logits[30:]
     cfg = CalibrationConfig(rank_k=HEAD_DIM, rank_v=HEAD_DIM, rank_h=HIDDEN, bits=32, prefixes=8, length=48,
-                            suffix=8, aligner_steps=20, aligner_hidden=16, patch=LAYERS)
+                            suffix=8, aligner_steps=20, aligner_hidden=16, patch=LAYERS, patch_map=patch_map)
     codec = calibrate_on(producer, consumer, _prompts(), cfg)
     assert codec.config.patch_layers == tuple(range(LAYERS))
+    # the gain is measured where the codec patches: one layer PATCHed, REUSE at the others
+    pic, reuse = codec.info["patch_in_context"], codec.info["kl_all_layers"]["reuse"]
+    assert len(pic) == LAYERS and codec.info["patch_gain"] == [round(max(0.0, reuse - p), 6) for p in pic]
     got = continue_logits(consumer, codec.decode(consumer, codec.encode(producer, ids[:, :30]), ids[0].tolist()), ids, 30)
     assert torch.allclose(got, oracle, atol=1e-3, rtol=1e-3)
     ps = prefill_states(producer, ids[:, :30])

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,6 +27,9 @@ from rich.table import Table
 
 from kvstate.errors import KVStateError
 from kvstate.lab.provenance import REPO, load_artifact
+
+if TYPE_CHECKING:
+    from kvstate.lab.transfer.section import Pair
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,7 @@ def jobs() -> list[Job]:
     from kvstate.lab.depth.section import KV1, LABELS, RCLA
     from kvstate.lab.prefix.replay_section import REPLAY_CMD, REPLAY_FILE, TREE_CMD, TREE_FILE
     from kvstate.lab.semantic.section import EVAL_COMMAND, HYBRID_COMMAND, SWEEP_COMMAND
-    from kvstate.lab.transfer.section import CODEC
-    from kvstate.lab.transfer.section import COMMAND as TRANSFER_COMMAND
+    from kvstate.lab.transfer.section import BENCH_FILE, NEAR_ALIGNED, PAIRS, TTFT_FILE
 
     return [
         Job("prefix:replay", f"models/ref-hybrid/{REPLAY_FILE}", REPLAY_CMD, 1500.0),
@@ -67,8 +70,20 @@ def jobs() -> list[Job]:
         Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 90000.0),
         Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 5400.0),  # perplexity
         Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 25000.0),
+        *(job for pair in PAIRS if pair == NEAR_ALIGNED or (REPO / "models" / pair.codec).is_dir()
+          for job in _transfer(pair, BENCH_FILE, TTFT_FILE)),
+    ]
+
+
+def _transfer(pair: Pair, bench_file: str, ttft_file: str) -> list[Job]:
+    """A pair's bench and TTFT jobs (a pair whose codec is not trained yet has none; the near-aligned pair always)."""
+    suffix = "" if pair.label == "near-aligned" else f"-{pair.label}"
+    return [
         # a partial run here: 141 of 1,421 items in 459 s with the other core busy
-        Job("transfer:bench", f"models/{CODEC}/bench.json", TRANSFER_COMMAND, 4700.0),
+        Job(f"transfer:bench{suffix}", f"models/{pair.codec}/{bench_file}", pair.bench_command(), 4700.0),
+        # shaped links need root (a network namespace); 3 rates x 1K / 4K / 8K x 5 repeats x 7 methods + oracle,
+        # cold and warm: estimated from a 1-rate 1K 3-repeat run here (2 min), prefill growing with length
+        Job(f"transfer:ttft{suffix}", f"models/{pair.codec}/{ttft_file}", pair.ttft_command(), 2400.0),
     ]
 
 

@@ -205,7 +205,8 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
            "bits": codec.config.bits, "config": asdict(cfg),
            "drift": {k: codec.info.get(k) for k in ("raw_drift_k", "raw_drift_v", "reuse_err_k", "reuse_err_v",
                                                      "patch_err_k", "patch_err_v", "impact_raw", "impact_reuse",
-                                                     "impact_patch", "patch_gain", "amplification", "kl_all_layers")}}
+                                                     "impact_patch", "patch_in_context", "patch_gain", "amplification",
+                                                     "kl_all_layers")}}
     if cfg.ablation_n:
         out["ablation_rank"] = _rank_ablation(producer, consumer, tokenizer, codec, cfg, tick)
     return out

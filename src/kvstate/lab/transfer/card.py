@@ -131,6 +131,11 @@ def codec_card(codec_dir: str | Path, command: str) -> str:
         lines.append(f"| {i} | {cal['raw_drift_k'][i]:.3f} / {cal['raw_drift_v'][i]:.3f} | {cal['reuse_err_k'][i]:.3f} / "
                      f"{cal['reuse_err_v'][i]:.3f} | {cal['patch_err_k'][i]:.3f} / {cal['patch_err_v'][i]:.3f} | "
                      f"{cal['impact_raw'][i]:.4f} | {cal['impact_reuse'][i]:.4f} | {cal['impact_patch'][i]:.4f} |")
+    if cal.get("patch_in_context"):
+        lines += ["", "PATCH gain where the codec patches (that layer PATCHed, REUSE at every other layer; gain = KL "
+                  f"with REUSE everywhere, {cal['kl_all_layers']['reuse']:.4f}, minus this, floored at 0): "
+                  + ", ".join(f"layer {i} KL {x:.4f} gain {gn:.4f}" for i, (x, gn) in
+                              enumerate(zip(cal["patch_in_context"], cal.get("patch_gain") or [], strict=False)))]
     lines += ["", f"All layers at once (next-token KL): {cal['kl_all_layers']}.",
               "Benchmark: `bench.json` next to this card (`kvstate transfer bench`)." if (d / "bench.json").is_file() else ""]
     return "\n".join(lines) + "\n"

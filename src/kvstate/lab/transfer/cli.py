@@ -61,6 +61,9 @@ def calibrate_command(
     reuse_map: Annotated[str, typer.Option("--reuse-map", help="REUSE maps: 'joint' (producer principal code, "
                                            "orthogonal decoder into the consumer); ablations 'regress' (reduced-rank "
                                            "regression) and 'pca' (the producer's own subspace).")] = "joint",
+    patch_map: Annotated[str, typer.Option("--patch-map", help="PATCH H_in maps: 'regress' (reduced-rank "
+                                           "regression + MLP residual) or 'joint' (the REUSE-style orthogonal "
+                                           "decoder, an ablation).")] = "regress",
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the calibration prefixes.")] = 7919,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Write into an --out directory that already holds files.")] = False,
@@ -76,7 +79,8 @@ def calibrate_command(
 
     _threads(threads)
     cfg = CalibrationConfig(rank_k=rank_k, rank_v=rank_v, rank_h=rank_h, patch=_patch(patch), bits=bits,
-                            prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map)
+                            prefixes=prefixes, length=length, seed=seed, reuse_map=reuse_map,
+                            patch_map=patch_map)
     check_not_input(out, {"--producer": producer, "--consumer": consumer})
     check_output_dir(out, overwrite=overwrite, accept=is_codec_dir, kind=f"a codec directory ({WEIGHTS} + {MANIFEST})")
     limit = _positions(producer, consumer)
