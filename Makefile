@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	command -v redis-server >/dev/null 2>&1 || { S=$$(test "$$(id -u)" -eq 0 || echo sudo); \
 		$$S apt-get update -qq && $$S apt-get install -y -qq redis-server; }
+	command -v tc >/dev/null 2>&1 || { S=$$(test "$$(id -u)" -eq 0 || echo sudo); \
+		$$S apt-get update -qq && $$S apt-get install -y -qq iproute2; } \
+		|| echo "warning: iproute2 not installed; the shaped-link TTFT tests will skip"
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
