@@ -244,7 +244,8 @@ def _pilot(models_dir: Path, out_dir: Path) -> Figure | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for task in ("niah_single", "niah_multikey"):
-        ax.plot([c["tokens"] / 1e6 for c in curve], [c["exact"].get(task, 0.0) for c in curve], label=task)
+        ax.plot([(c["tokens"] - depth.get("start_tokens", 0)) / 1e6 for c in curve],
+                [c["exact"].get(task, 0.0) for c in curve], label=task)
     ax.set_xlabel("tokens since models/ref-attn (millions)")
     ax.set_ylabel("exact match (rolling, training batches)")
     ax.set_ylim(-0.02, 1.02)
