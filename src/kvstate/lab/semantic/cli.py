@@ -114,7 +114,7 @@ def eval_command(
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
-    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, slow_summary, summarise
+    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_methods, slow_summary, summarise
     from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
     from kvstate.models.loading import load_config
@@ -172,13 +172,13 @@ def eval_command(
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
-        for m, b in runs:
-            try:
-                outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=bar.advance,
-                                       slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
-            except KVStateError as exc:  # e.g. a budget below the method's minimum: not run, with the reason
-                not_run.append({"method": m, "budget": b, "reason": str(exc)})
-                console.print(f"[yellow]{m} at budget {b} not run:[/] {exc}")
+        # one prefill per item shared by every run; a run below its method's minimum budget is not run
+        got, failed = run_methods(runs, base, tok, items, sekv_router, segment, progress=bar.advance,
+                                  slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
+    outcomes += got
+    not_run += failed
+    for e in failed:
+        console.print(f"[yellow]{e['method']} at budget {e['budget']} not run:[/] {e['reason']}")
     kv_info: dict = {"presses": presses, "hub_only": kp.NOT_RUN}
     press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
     if presses and len(press_items) < len(items):
