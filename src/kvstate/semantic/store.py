@@ -110,7 +110,11 @@ class SpanStore:
                 u, sv, vh = svd(x)
                 n = x.shape[1]
                 svds.append((u, sv, vh))
-                gains.append((sv**2).sum(0).numpy())  # energy per rank over heads: non-increasing
+                energy = (sv**2).sum(0)  # energy per rank over heads: non-increasing
+                # as a fraction of this matrix's energy: keys put most of theirs in one direction, so absolute
+                # energy would spend the budget on values and leave the keys at rank 1-2, too coarse to find
+                # a needle; relative energy equalises the relative error of keys and values
+                gains.append((energy / energy.sum().clamp_min(1e-30)).numpy())
                 costs.append(rank_cost(n, d, h, e))
                 caps.append(min(gate_rank(sv, router.rank_gate, is_v), config.max_rank, byte_cap(n, d)))
         try:
