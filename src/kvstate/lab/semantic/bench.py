@@ -49,6 +49,7 @@ from kvstate.lab.semantic.protocol import PPL, Item
 from kvstate.semantic.accounting import ByteCounts, evicting_bytes
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
+from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation, SegmentConfig, forced_mask, spans_from_anchors
 
@@ -121,7 +122,7 @@ def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig)
 
 
 def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
-                  slow_budget: float = 0.25) -> SemanticConfig:
+                  slow_budget: float = SLOW_BUDGET) -> SemanticConfig:
     """The cache settings of an in-process method at ``budget`` (``full`` has none)."""
     share = {"expand_share": expand_share}
     if method in SEKV_METHODS:
@@ -155,7 +156,7 @@ def prefill(model: Any, item: Item) -> Prefilled:
 def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
                      router: SemanticRouter | None, segment: SegmentConfig,
                      config: SemanticConfig | None = None, expand_share: float = 0.5,
-                     slow_budget: float = 0.25, prefilled: Prefilled | None = None) -> Any:
+                     slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None) -> Any:
     """A cache of ``method`` holding ``item``'s context, compressed (``full``: not compressed), from
     ``prefilled`` (:func:`prefill`, left unchanged) or from a prefill of its own."""
     pre = prefilled if prefilled is not None else prefill(model, item)
@@ -267,7 +268,8 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
 def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
                 router: SemanticRouter | None, segment: SegmentConfig,
                 progress: Callable[[], None] | None = None, slow_log: list[dict[str, Any]] | None = None,
-                expand_share: float = 0.5, slow_budget: float = 0.25) -> tuple[list[Outcome], list[dict[str, Any]]]:
+                expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET,
+                ) -> tuple[list[Outcome], list[dict[str, Any]]]:
     """Answer every question of ``items`` under every in-process (method, budget) of ``runs``.
 
     Each item's context is prefilled once and compressed per run; each question is asked of a fork of the
@@ -284,7 +286,7 @@ def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], b
                router: SemanticRouter | None, segment: SegmentConfig,
                progress: Callable[[], None] | None = None, config: SemanticConfig | None = None,
                slow_log: list[dict[str, Any]] | None = None, expand_share: float = 0.5,
-               slow_budget: float = 0.25) -> list[Outcome]:
+               slow_budget: float = SLOW_BUDGET) -> list[Outcome]:
     """Answer every question of ``items`` under one in-process method at one budget (a failed run raises).
 
     ``config`` replaces SEKV's cache settings (e.g. ``zoom="all"`` at full rank: the exact oracle);

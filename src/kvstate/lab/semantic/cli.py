@@ -25,7 +25,7 @@ def train_command(
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 10.0,
     budget: Annotated[float, typer.Option(help="Budget (fraction of full KV) to train at.")] = 0.25,
     slow_budget: Annotated[float, typer.Option(help="Slow-tier budget (fraction of raw span K/V) the rank gates "
-                                                    "are trained under.")] = 0.25,
+                                                    "are trained under.")] = 0.375,
     lengths: Annotated[str, typer.Option("--length", "--lengths", help="Training context lengths, comma-separated.")] = "512,1024",
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
@@ -88,7 +88,8 @@ def eval_command(
     max_span: Annotated[int, typer.Option(min=3, help="Longest span (SEKV, SentenceKV).")] = 32,
     expand_share: Annotated[float, typer.Option(help="Share of the budget kept free at compression for expanded "
                                                      "spans (SEKV, SentenceKV).")] = 0.5,
-    slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes.")] = 0.25,
+    slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes (0.375: every tier "
+                                                    "within 0.5 x full KV at budget 0.125).")] = 0.375,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(
         "--out", "--save", help="Append this run, with its provenance, to a result file (e.g. DIR/eval.json).")] = None,
