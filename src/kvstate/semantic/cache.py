@@ -23,6 +23,8 @@ and a context longer than the model's positions), and a cache refuses a router m
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,18 @@ class SemanticLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.seen
 
+    def fork(self, owner: SemanticCache) -> SemanticLayer:
+        """A copy owned by ``owner`` that shares this layer's tensors and copies its containers (see
+        :meth:`SemanticCache.fork`)."""
+        new = copy.copy(self)
+        new.owner = owner
+        if self.store is not None:
+            new.store = copy.copy(self.store)
+            for name, value in vars(self.store).items():  # lists / dicts of per-call records and spans
+                if isinstance(value, (list, dict)):
+                    setattr(new.store, name, copy.copy(value))
+        return new
+
     def nbytes(self) -> tuple[int, int]:
         """(fast-tier bytes, slow-tier bytes) of the tensors this layer holds."""
         if self.store is None:
@@ -116,6 +130,44 @@ class SemanticCache(Cache):
             layers[i] = SemanticLayer(self, i)
         super().__init__(layers=layers)
         self.segmentation: Segmentation | None = None
+
+    def adopt(self, prefilled: Cache) -> None:
+        """Take over a full-resolution prefill of this cache's model held in another cache (e.g. one
+        ``DynamicCache`` prefilled once and compressed under several settings): every attention layer's K/V
+        is fed through this cache's own update (copied), every other layer (recurrent state) deep-copied, so
+        ``prefilled`` stays as it was. Equal to prefilling this cache with the same forward call."""
+        layers = self.semantic_layers
+        if any(layer.seen for layer in layers):
+            raise KVStateError("SemanticCache.adopt: this cache already holds tokens; adopt into a fresh cache")
+        if len(prefilled.layers) != len(self.layers):
+            raise KVStateError(f"SemanticCache.adopt: the prefilled cache has {len(prefilled.layers)} layers, this "
+                               f"model has {len(self.layers)}; prefill with DynamicCache(config=model.config)")
+        for i, (mine, theirs) in enumerate(zip(self.layers, prefilled.layers, strict=True)):
+            if isinstance(mine, SemanticLayer):
+                if type(theirs) is not DynamicLayer or theirs.keys is None or not theirs.keys.numel():
+                    raise KVStateError(f"SemanticCache.adopt: layer {i} of the prefilled cache holds no attention "
+                                       "K/V; prefill it with a forward pass first")
+                mine.update(theirs.keys, theirs.values)
+            else:
+                self.layers[i] = copy.deepcopy(theirs)
+
+    def fork(self, config: SemanticConfig | None = None) -> SemanticCache:
+        """An independent copy to decode from — one per question asked of one compressed context — without
+        copying the context: every store and ``DynamicLayer`` rebinds its tensors on update and never writes
+        into them, so the copy shares the tensors and copies only the lists and dicts that record spans and
+        reads; other layers (recurrent state, updated in place) are deep-copied. ``config``: decode the copy
+        under settings that differ from this cache's in ``sticky`` only (the one setting compression does not
+        read), so sticky and non-sticky decoding share one compression."""
+        new = copy.copy(self)
+        if config is not None:
+            if not isinstance(config, SemanticConfig) or dataclasses.replace(config, sticky=self.config.sticky) \
+                    != self.config:
+                raise KVStateError(f"SemanticCache.fork: config={config!r} differs from the compressed cache's "
+                                   f"{self.config!r} in more than sticky; compress a cache under that config instead")
+            new.config = config
+        new.layers = [layer.fork(new) if isinstance(layer, SemanticLayer) else copy.deepcopy(layer)
+                      for layer in self.layers]
+        return new
 
     @property
     def semantic_layers(self) -> list[SemanticLayer]:

@@ -20,6 +20,11 @@ from kvstate.errors import KVStateError
 from kvstate.semantic.segment import SegmentConfig
 from kvstate.validate import check_bool, check_float, check_int
 
+# the default slow tier: with the fast tier and its reads within budget x full KV, every tier together stays
+# within (budget + SLOW_BUDGET) x full KV — 0.5 at 8:1 (budget 0.125) — up to the rank-1 floor of spans folded
+# while decoding
+SLOW_BUDGET = 0.375
+
 # "learned": the router's relevance gates; "similarity": spans ranked by query . mean key (SentenceKV-like);
 # "all": every span, ignoring the budget (the exactness oracle); "none": summaries only; "soft": training only
 Zoom = Literal["learned", "similarity", "all", "none", "soft"]
@@ -33,7 +38,7 @@ class SemanticConfig:
     segment: SegmentConfig = field(default_factory=SegmentConfig)
     zoom: Zoom = "learned"
     expand_share: float = 0.5  # share of the budget left free at compression for expanded spans (capped zooms)
-    slow_budget: float = 0.25  # slow-tier bytes / raw span K/V bytes (predicted ranks are allocated under it)
+    slow_budget: float = SLOW_BUDGET  # slow-tier bytes / raw span K/V bytes (predicted ranks are allocated under it)
     max_rank: int = 32  # a span's predicted rank never exceeds this
     rank: int | None = None  # fixed slow-tier rank, outside the slow budget (>= head_dim: exact); None = allocated
     offload: Offload = "lowrank"

@@ -8,7 +8,10 @@ go, one rank at a time, to the span whose next singular value carries the most e
 in ``r`` and its cost per rank is constant, so with equal costs this greedy choice maximises the
 retained energy within the caps (an exchange argument; the tests check it against brute force); with
 unequal costs it is the greedy knapsack, at most one rank's energy from the fractional optimum.
-Ignored: interactions between spans (each span is reconstructed on its own).
+The span store passes each matrix's energies as fractions of its total (the relative energy), so the
+allocation minimises the summed relative error of every span's keys and values rather than letting the
+values' larger absolute energy starve the keys. Ignored: interactions between spans (each span is
+reconstructed on its own).
 """
 
 from __future__ import annotations

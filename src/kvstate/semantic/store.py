@@ -61,6 +61,9 @@ class SpanStore:
     full_at: list[int] = field(default_factory=list)  # per attend call: full K/V bytes of the tokens seen then
     # working set: reconstructed K/V of the spans expanded at the last call; kept while they stay expanded
     _working: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the same working set joined (span ids, keys (H, n_exp, D), values, span of each token): _working holds views
+    # into these, so it is held once; reused while the same spans are expanded
+    _joined: tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     sticky: torch.Tensor | None = None  # (H, S) heads expanding each span of the working set (sticky only)
 
     @classmethod
@@ -107,7 +110,11 @@ class SpanStore:
                 u, sv, vh = svd(x)
                 n = x.shape[1]
                 svds.append((u, sv, vh))
-                gains.append((sv**2).sum(0).numpy())  # energy per rank over heads: non-increasing
+                energy = (sv**2).sum(0)  # energy per rank over heads: non-increasing
+                # as a fraction of this matrix's energy: keys put most of theirs in one direction, so absolute
+                # energy would spend the budget on values and leave the keys at rank 1-2, too coarse to find
+                # a needle; relative energy equalises the relative error of keys and values
+                gains.append((energy / energy.sum().clamp_min(1e-30)).numpy())
                 costs.append(rank_cost(n, d, h, e))
                 caps.append(min(gate_rank(sv, router.rank_gate, is_v), config.max_rank, byte_cap(n, d)))
         try:
@@ -214,9 +221,9 @@ class SpanStore:
         if allowance is None:
             return cand
         chosen = torch.zeros_like(cand)
-        best = score.masked_fill(~want, float("-inf")).amax(0)  # (S,)
+        best = score.masked_fill(~want, float("-inf")).amax(0).tolist()  # (S,)
         idx = torch.nonzero(cand).flatten().tolist()
-        idx.sort(key=lambda i: (-float(best[i]), i))
+        idx.sort(key=lambda i: (-best[i], i))
         used = 0
         for i in idx:
             cost = self.sizes[i] * self.token_bytes
@@ -227,14 +234,19 @@ class SpanStore:
 
     def _reconstruct(self, chosen: tuple[int, ...], dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token-level K/V (H, n_exp, D) of the chosen spans and each token's span index (n_exp,)."""
+        """Token-level K/V (H, n_exp, D) of the chosen spans and each token's span index (n_exp,); spans already
+        in the working set are not reconstructed again."""
+        if self._joined is not None and self._joined[0] == chosen:
+            return self._joined[1:]
         work = {i: self._working.get(i) or (self.slow[i][0].reconstruct(dtype, device),
                                             self.slow[i][1].reconstruct(dtype, device)) for i in chosen}
-        self._working = work
         rk = torch.cat([work[i][0] for i in chosen], 1)  # (H, n_exp, D)
         rv = torch.cat([work[i][1] for i in chosen], 1)
-        sizes = torch.tensor([work[i][0].shape[1] for i in chosen])
-        owner = torch.repeat_interleave(torch.tensor(chosen), sizes)  # (n_exp,) span index of each token
+        n = [work[i][0].shape[1] for i in chosen]
+        owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor(n))  # (n_exp,) span index of each token
+        starts = np.cumsum([0, *n[:-1]]).tolist()
+        self._working = {i: (rk[:, o:o + m], rv[:, o:o + m]) for i, o, m in zip(chosen, starts, n, strict=True)}
+        self._joined = (chosen, rk, rv, owner)
         return rk, rv, owner
 
     def attend(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
@@ -252,8 +264,10 @@ class SpanStore:
         qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D), rows ordered (group head, token)
         ka, va = self.anchor_k[0], self.anchor_v[0]  # (H, A, D)
         a = ka.shape[1]
-        causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
-        logits = [(qg @ ka.transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]  # (H, g*Tq, A)
+        logits = [qg @ ka.transpose(-1, -2) * scaling]  # (H, g*Tq, A)
+        if tq > 1:  # one fed token sees every anchor
+            causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
+            logits[0] = logits[0].masked_fill(causal, float("-inf"))
         vals = [va]
         with torch.no_grad():
             want, score = self.decide(q.detach(), scaling, router, layer, zoom)  # (H, S)
@@ -285,7 +299,7 @@ class SpanStore:
                     logits.append(le.masked_fill(~expand[:, owner][:, None, :], float("-inf")))
                 vals.append(rv)
             else:
-                self._working = {}
+                self._working, self._joined = {}, None
             n_tok = torch.tensor(self.sizes, dtype=torch.float32)
             self.expanded.append(float((expand.float() * n_tok).sum(1).mean() / n_tok.sum()))
         self.reads.append(read)

@@ -134,6 +134,85 @@ def test_in_process_methods_and_summary(model_dir):
         run_method("h2o", model, tok, items, 0.4, None, seg)
 
 
+def _written_out(method, model, tok, items, budget, seg):
+    """The protocol written out: each method prefills its own cache, compresses it and answers every question
+    on a deep copy of it (ppl: continues on the cache itself)."""
+    import copy
+
+    import numpy as np
+    import torch
+    from transformers import DynamicCache
+
+    from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
+    from kvstate.lab.semantic.bench import (
+        _answer,
+        _outcome,
+        method_config,
+        score_prediction,
+        sentence_segmentation,
+    )
+    from kvstate.lab.semantic.protocol import PPL
+    from kvstate.lab.semantic.quest import QuestCache
+    from kvstate.lab.semantic.window import WindowCache
+    from kvstate.semantic import SemanticCache, semantic_attention, surprisal
+
+    out = []
+    for it in items:
+        ctx = torch.tensor([it.context])
+        tc = ctx.shape[1]
+        with torch.no_grad():
+            if method == "full":
+                cache = DynamicCache(config=model.config)
+            else:
+                cfg = method_config(method, budget, seg, 0.3, 0.6)
+                kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
+                cache = kind(model, None, cfg)
+            logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache).logits
+            if method.startswith("sekv"):
+                cache.compress(surprisal(logits, ctx))
+            elif method == "sentencekv":
+                sg = sentence_segmentation(tok, it.context, cfg.segment)
+                cache.compress_segmentation(sg, [np.full(b - a, 1.0 / (b - a)) for a, b in sg.spans])
+            elif method != "full":
+                cache.compress()
+            attn = semantic_attention(model) if method != "full" else torch.no_grad()
+            with attn, torch.no_grad():
+                if it.task == PPL:
+                    got = continuation_nll(model, it.context + it.questions[0], tc, cache, stepwise=True)
+                    out.append(_outcome(method, budget, it, 0, pooled_perplexity([got]), "", cache, got.seconds,
+                                        got.tokens, got.nll, got.tokens))
+                    continue
+                for qi, (q, mx) in enumerate(zip(it.questions, it.max_new_tokens, strict=True)):
+                    work = copy.deepcopy(cache, memo={id(model.config): model.config}) if method != "full" \
+                        else copy.deepcopy(cache)
+                    pred, dt, steps = _answer(model, work, q, tc, mx, tok.eos_token_id, tok)
+                    out.append(_outcome(method, budget, it, qi, score_prediction(it, qi, pred), pred, work, dt, steps))
+    return out
+
+
+def test_shared_prefill_and_forks_equal_the_protocol_written_out(model_dir):
+    """One prefill per item, forks per question and one compression for sekv / sekv_fresh change no result."""
+    import dataclasses
+
+    from kvstate.lab.semantic.bench import IN_PROCESS, run_methods
+    from kvstate.lab.semantic.protocol import PPL
+
+    _, model, tok = model_dir
+    items = build_items(tok, MULTI_Q, 128, 1, 0)
+    items += [dataclasses.replace(it, questions=[it.questions[0][:8]]) for it in build_items(tok, PPL, 96, 1, 0)]
+    seg = SegmentConfig(sinks=2, recent=8, max_span=8)
+    runs = [("full", 1.0)] + [(m, b) for m in IN_PROCESS if m != "full" for b in (0.7, 0.02)]
+    got, not_run = run_methods(runs, model, tok, items, None, seg, expand_share=0.3, slow_budget=0.6)
+    failed = {(e["method"], e["budget"]) for e in not_run}  # below the minimum; the window alone keeps 3 tokens
+    assert failed == {(m, 0.02) for m in IN_PROCESS if m not in ("full", "window")}
+    assert all("budget" in e["reason"] for e in not_run)
+    ref = [o for m, b in runs if (m, b) not in failed for o in _written_out(m, model, tok, items, b, seg)]
+    drop = ("decode_s",)  # wall time
+    rows = [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in got]
+    assert rows == [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in ref]
+    assert {o.method for o in got} == set(IN_PROCESS) and any(o.expanded for o in got if o.method == "sekv")
+
+
 def test_snake_names():
     assert [snake(n) for n in ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress")] == [
         "snap_kv_press", "streaming_llm_press", "tova_press", "expected_attention_press"]

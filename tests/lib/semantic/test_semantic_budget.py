@@ -140,6 +140,28 @@ def test_rank_allocation_equals_brute_force(seed):
         allocate_ranks(gains, costs, caps, sum(costs) - 1)
 
 
+def test_slow_budget_is_shared_by_relative_energy_so_large_keys_do_not_take_it_all():
+    """Keys ten times larger than values with the same spectra get the same ranks (absolute energy would give
+    the keys every rank above 1); the budget still binds."""
+    from kvstate.semantic.router import RouterConfig, SemanticRouter
+    from kvstate.semantic.segment import Segmentation
+
+    g = torch.Generator().manual_seed(0)
+    h, t, d = 2, 96, 16
+    basis = torch.randn(h, t, 4, generator=g) @ torch.randn(h, 4, d, generator=g)  # rank-4 structure
+    values = (basis + 0.3 * torch.randn(h, t, d, generator=g))[None]
+    keys = 10 * values
+    spans = np.array([[a, a + 24] for a in range(0, t, 24)], dtype=np.int64)
+    seg = Segmentation(t, np.zeros(0, dtype=np.int64), spans)
+    router = SemanticRouter(RouterConfig(n_layers=1, n_heads=h, n_kv_heads=h, head_dim=d))
+    cfg = SemanticConfig(budget=0.5, slow_budget=0.2, max_rank=16)
+    st = SpanStore.build(keys, values, seg, [np.full(24, 1 / 24)] * len(spans), router, 0, cfg)
+    ranks = [(k.rank, v.rank) for k, v in st.slow]
+    assert all(abs(rk - rv) <= 1 for rk, rv in ranks), ranks  # equal but for ties broken towards the keys
+    assert sum(rk + rv for rk, rv in ranks) > 2 * len(ranks)  # the budget buys more than rank 1
+    assert st.slow_nbytes() <= 0.2 * st.raw_span_bytes
+
+
 def test_slow_tier_at_its_budget_is_smaller_than_raw_and_exact_at_full_rank():
     model = tiny_model("qwen3")
     ids, q = _ids(4, T), _ids(5, 6)

@@ -108,6 +108,53 @@ def test_decode_rolls_tokens_into_spans_and_stays_exact():
     assert cache.get_seq_length() == T + 12
 
 
+@torch.no_grad()
+def _decode_logits(model, cache, steps=20):
+    with semantic_attention(model):
+        return torch.cat([model(input_ids=tok.view(1, 1), cache=cache, position_ids=torch.tensor([[T + t]])).logits
+                          for t, tok in enumerate(_ids(6, steps)[0])])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_adopt_equals_prefill_and_a_fork_decodes_as_a_deep_copy(family):
+    import copy
+
+    model = tiny_model(family)
+    ids = _ids(5, T)
+    seg = SegmentConfig(sinks=2, recent=4, min_span=2, max_span=12)
+    config = SemanticConfig(budget=0.5, segment=seg)  # learned zoom, low rank, sticky: every record in use
+    direct = SemanticCache(model, config=config)
+    prefill_and_compress(model, direct, ids)
+    pre = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=pre, position_ids=torch.arange(T)[None]).logits
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in pre.layers if hasattr(layer, "keys")]
+    adopted = SemanticCache(model, config=config)
+    adopted.adopt(pre)
+    from kvstate.semantic import surprisal
+
+    adopted.compress(surprisal(logits, ids))
+    assert all(torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+               for (k, v), layer in zip(kept, [x for x in pre.layers if hasattr(x, "keys")], strict=True))
+    for a, b in zip(direct.semantic_layers, adopted.semantic_layers, strict=True):
+        assert torch.equal(a.store.anchor_k, b.store.anchor_k) and torch.equal(a.store.sum_v, b.store.sum_v)
+        assert [f.rank for pair in a.store.slow for f in pair] == [f.rank for pair in b.store.slow for f in pair]
+    ref = copy.deepcopy(direct, memo={id(direct.router): direct.router, id(model.config): model.config})
+    fork = direct.fork()
+    before = direct.byte_counts()
+    got = _decode_logits(model, fork)
+    assert direct.byte_counts() == before and direct.get_seq_length() == T  # the original is untouched
+    assert torch.equal(got, _decode_logits(model, ref)) and fork.byte_counts() == ref.byte_counts()
+    assert fork.semantic_layers[0].store.n_spans > direct.semantic_layers[0].store.n_spans  # tokens were folded
+    assert torch.equal(_decode_logits(model, direct.fork()), got)  # and the original still decodes the same
+    fresh = direct.fork(SemanticConfig(budget=0.5, segment=seg, sticky=False))
+    assert fresh.config.sticky is False and direct.config.sticky is True
+    with pytest.raises(KVStateError, match="more than sticky"):
+        direct.fork(SemanticConfig(budget=0.4, segment=seg))
+    with pytest.raises(KVStateError, match="already holds tokens"):
+        direct.adopt(pre)
+
+
 def test_budget_accounting_equals_tensor_bytes():
     model = tiny_model("qwen3")
     ids = _ids(7, T)

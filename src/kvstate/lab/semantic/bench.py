@@ -30,6 +30,7 @@ kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselin
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from kvstate.errors import KVStateError
 from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
@@ -47,6 +49,7 @@ from kvstate.lab.semantic.protocol import PPL, Item
 from kvstate.semantic.accounting import ByteCounts, evicting_bytes
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
+from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation, SegmentConfig, forced_mask, spans_from_anchors
 
@@ -119,7 +122,7 @@ def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig)
 
 
 def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
-                  slow_budget: float = 0.25) -> SemanticConfig:
+                  slow_budget: float = SLOW_BUDGET) -> SemanticConfig:
     """The cache settings of an in-process method at ``budget`` (``full`` has none)."""
     share = {"expand_share": expand_share}
     if method in SEKV_METHODS:
@@ -133,17 +136,32 @@ def method_config(method: str, budget: float, segment: SegmentConfig, expand_sha
     return SemanticConfig(budget=budget, segment=segment, zoom="none", slow_tier=False)  # quest, streaming
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """One item's context prefilled once at full resolution; every method and budget compresses a copy."""
+
+    cache: Any  # DynamicCache(config=model.config) holding the context (never fed afterwards)
+    surprisal: torch.Tensor  # (T,) -log p(x_t | x_<t) of each context token, from the prefill logits
+
+
+@torch.no_grad()
+def prefill(model: Any, item: Item) -> Prefilled:
+    """Prefill ``item``'s context once (the forward pass every method starts from)."""
+    ctx = torch.tensor([item.context])
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ctx, position_ids=torch.arange(ctx.shape[1])[None], cache=cache, use_cache=True).logits
+    return Prefilled(cache, surprisal(logits, ctx))
+
+
 def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
                      router: SemanticRouter | None, segment: SegmentConfig,
                      config: SemanticConfig | None = None, expand_share: float = 0.5,
-                     slow_budget: float = 0.25) -> Any:
-    """Prefill ``item``'s context into a fresh cache of ``method`` and compress it (``full``: not compressed)."""
-    ctx = torch.tensor([item.context])
-    pos = torch.arange(ctx.shape[1])[None]
+                     slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None) -> Any:
+    """A cache of ``method`` holding ``item``'s context, compressed (``full``: not compressed), from
+    ``prefilled`` (:func:`prefill`, left unchanged) or from a prefill of its own."""
+    pre = prefilled if prefilled is not None else prefill(model, item)
     if method == "full":
-        cache: Any = DynamicCache(config=model.config)
-        model(input_ids=ctx, position_ids=pos, cache=cache, use_cache=True)
-        return cache
+        return copy.deepcopy(pre.cache)
     from kvstate.lab.semantic.quest import QuestCache
     from kvstate.lab.semantic.window import WindowCache
 
@@ -151,9 +169,9 @@ def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget
         method_config(method, budget, segment, expand_share, slow_budget)
     kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
     cache = kind(model, router if method in SEKV_METHODS else None, cfg)
-    logits = model(input_ids=ctx, position_ids=pos, cache=cache, use_cache=True).logits
+    cache.adopt(pre.cache)
     if method in SEKV_METHODS:
-        cache.compress(surprisal(logits, ctx))
+        cache.compress(pre.surprisal)
     elif method == "sentencekv":
         seg = sentence_segmentation(tokenizer, item.context, cfg.segment)
         cache.check_fits(seg)
@@ -180,52 +198,105 @@ def _outcome(method: str, budget: float, it: Item, q: int, score: float, pred: s
                    nll, tokens)
 
 
+def _ask(method: str, budget: float, model: Any, tokenizer: Any, it: Item, cache: Any) -> list[Outcome]:
+    """Every question of ``it`` (ppl: the continuation) on a fork of one compressed ``cache``, left unchanged."""
+    tc = len(it.context)
+    if it.task == PPL:  # compress, then continue: one continuation per context
+        ids = it.context + it.questions[0]
+        if method == "full":
+            work = copy.deepcopy(cache)
+            got = continuation_nll(model, ids, tc, work, stepwise=True)
+        else:
+            work = cache.fork()
+            with semantic_attention(model):
+                got = continuation_nll(model, ids, tc, work, stepwise=True)
+        return [_outcome(method, budget, it, 0, pooled_perplexity([got]), "", work, got.seconds, got.tokens,
+                         got.nll, got.tokens)]
+    out = []
+    for qi, (q, mx) in enumerate(zip(it.questions, it.max_new_tokens, strict=True)):
+        if method == "full":
+            work = copy.deepcopy(cache)
+            pred, dt, steps = _answer(model, work, q, tc, mx, tokenizer.eos_token_id, tokenizer)
+        else:
+            work = cache.fork()  # shares the compressed context's tensors
+            with semantic_attention(model):
+                pred, dt, steps = _answer(model, work, q, tc, mx, tokenizer.eos_token_id, tokenizer)
+        out.append(_outcome(method, budget, it, qi, score_prediction(it, qi, pred), pred, work, dt, steps))
+    return out
+
+
 @torch.no_grad()
+def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
+         router: SemanticRouter | None, segment: SegmentConfig, progress: Callable[[], None] | None,
+         config: SemanticConfig | None, slow_log: list[dict[str, Any]] | None, expand_share: float,
+         slow_budget: float) -> tuple[list[Outcome], dict[int, KVStateError]]:
+    """Outcomes of every (method, budget) run in run order, and the error that stopped each failed run."""
+    for method, _ in runs:
+        if method not in IN_PROCESS:
+            raise ValueError(f"unknown in-process method {method!r}; choose from {IN_PROCESS}")
+    got: list[list[Outcome]] = [[] for _ in runs]
+    logs: list[list[dict[str, Any]]] = [[] for _ in runs]
+    failed: dict[int, KVStateError] = {}
+    for it in items:  # item-major: one prefill per item, shared by every run
+        pre = prefill(model, it)
+        shared: dict[SemanticConfig, SemanticCache] = {}  # sekv and sekv_fresh differ in sticky only
+        for r, (method, budget) in enumerate(runs):
+            if r not in failed:
+                cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
+                                                                       slow_budget)) if method in SEKV_METHODS else None
+                key = dataclasses.replace(cfg, sticky=False) if cfg is not None else None
+                try:
+                    cache = shared[key].fork(cfg) if key in shared else \
+                        compressed_cache(method, model, tokenizer, it, budget, router, segment, cfg, expand_share,
+                                         slow_budget, prefilled=pre)
+                except KVStateError as exc:  # e.g. a budget below the method's minimum: the run stops
+                    failed[r] = exc
+                if key is not None and r not in failed:
+                    shared.setdefault(key, cache)
+                if r not in failed:
+                    if method in SEKV_METHODS:
+                        logs[r].append({"method": method, "budget": budget, "task": it.task, "length": it.length,
+                                        "index": it.index, **cache.slow_tier()})
+                    got[r] += _ask(method, budget, model, tokenizer, it, cache)
+            if progress is not None:
+                progress()
+    if slow_log is not None:
+        slow_log += [e for r, log in enumerate(logs) if r not in failed for e in log]
+    return [o for r, g in enumerate(got) if r not in failed for o in g], failed
+
+
+def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
+                router: SemanticRouter | None, segment: SegmentConfig,
+                progress: Callable[[], None] | None = None, slow_log: list[dict[str, Any]] | None = None,
+                expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET,
+                ) -> tuple[list[Outcome], list[dict[str, Any]]]:
+    """Answer every question of ``items`` under every in-process (method, budget) of ``runs``.
+
+    Each item's context is prefilled once and compressed per run; each question is asked of a fork of the
+    compressed cache. Returns the outcomes in run order (as :func:`run_method` run by run) and the runs that
+    could not run (a budget below a method's minimum), as ``{"method", "budget", "reason"}``; ``progress``
+    is called once per run and item.
+    """
+    outcomes, failed = _run(runs, model, tokenizer, items, router, segment, progress, None, slow_log, expand_share,
+                            slow_budget)
+    return outcomes, [{"method": runs[r][0], "budget": runs[r][1], "reason": str(exc)} for r, exc in failed.items()]
+
+
 def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], budget: float,
                router: SemanticRouter | None, segment: SegmentConfig,
                progress: Callable[[], None] | None = None, config: SemanticConfig | None = None,
                slow_log: list[dict[str, Any]] | None = None, expand_share: float = 0.5,
-               slow_budget: float = 0.25) -> list[Outcome]:
-    """Answer every question of ``items`` under one in-process method at one budget.
+               slow_budget: float = SLOW_BUDGET) -> list[Outcome]:
+    """Answer every question of ``items`` under one in-process method at one budget (a failed run raises).
 
     ``config`` replaces SEKV's cache settings (e.g. ``zoom="all"`` at full rank: the exact oracle);
     ``expand_share`` / ``slow_budget`` otherwise set the share of the budget kept for reads and the slow tier;
     ``slow_log`` receives each SEKV cache's slow tier (bytes, rank and cap histograms) after compression.
     """
-    if method not in IN_PROCESS:
-        raise ValueError(f"unknown in-process method {method!r}; choose from {IN_PROCESS}")
-    outcomes: list[Outcome] = []
-    eos = tokenizer.eos_token_id
-    for it in items:
-        cache = compressed_cache(method, model, tokenizer, it, budget, router, segment, config, expand_share,
-                                 slow_budget)
-        tc = len(it.context)
-        if slow_log is not None and method in SEKV_METHODS:
-            slow_log.append({"method": method, "budget": budget, "task": it.task, "length": it.length,
-                             "index": it.index, **cache.slow_tier()})
-        if it.task == PPL:  # compress, then continue: no copy needed, one continuation per context
-            ids = it.context + it.questions[0]
-            if method == "full":
-                got = continuation_nll(model, ids, tc, cache, stepwise=True)
-            else:
-                with semantic_attention(model):
-                    got = continuation_nll(model, ids, tc, cache, stepwise=True)
-            outcomes.append(_outcome(method, budget, it, 0, pooled_perplexity([got]), "", cache, got.seconds,
-                                     got.tokens, got.nll, got.tokens))
-            if progress is not None:
-                progress()
-            continue
-        for qi, (q, mx) in enumerate(zip(it.questions, it.max_new_tokens, strict=True)):
-            work = copy.deepcopy(cache, memo={id(router): router, id(model.config): model.config}) \
-                if method != "full" else copy.deepcopy(cache)
-            if method == "full":
-                pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
-            else:
-                with semantic_attention(model):
-                    pred, dt, steps = _answer(model, work, q, tc, mx, eos, tokenizer)
-            outcomes.append(_outcome(method, budget, it, qi, score_prediction(it, qi, pred), pred, work, dt, steps))
-        if progress is not None:
-            progress()
+    outcomes, failed = _run([(method, budget)], model, tokenizer, items, router, segment, progress, config, slow_log,
+                            expand_share, slow_budget)
+    if failed:
+        raise failed[0]
     return outcomes
 
 

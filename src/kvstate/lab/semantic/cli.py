@@ -25,7 +25,7 @@ def train_command(
     minutes: Annotated[float, typer.Option(help="Wall-clock budget.")] = 10.0,
     budget: Annotated[float, typer.Option(help="Budget (fraction of full KV) to train at.")] = 0.25,
     slow_budget: Annotated[float, typer.Option(help="Slow-tier budget (fraction of raw span K/V) the rank gates "
-                                                    "are trained under.")] = 0.25,
+                                                    "are trained under.")] = 0.375,
     lengths: Annotated[str, typer.Option("--length", "--lengths", help="Training context lengths, comma-separated.")] = "512,1024",
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
@@ -88,7 +88,8 @@ def eval_command(
     max_span: Annotated[int, typer.Option(min=3, help="Longest span (SEKV, SentenceKV).")] = 32,
     expand_share: Annotated[float, typer.Option(help="Share of the budget kept free at compression for expanded "
                                                      "spans (SEKV, SentenceKV).")] = 0.5,
-    slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes.")] = 0.25,
+    slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes (0.375: every tier "
+                                                    "within 0.5 x full KV at budget 0.125).")] = 0.375,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(
         "--out", "--save", help="Append this run, with its provenance, to a result file (e.g. DIR/eval.json).")] = None,
@@ -114,7 +115,7 @@ def eval_command(
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
-    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_method, slow_summary, summarise
+    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_methods, slow_summary, summarise
     from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
     from kvstate.models.loading import load_config
@@ -172,13 +173,13 @@ def eval_command(
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
-        for m, b in runs:
-            try:
-                outcomes += run_method(m, base, tok, items, b, sekv_router, segment, progress=bar.advance,
-                                       slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
-            except KVStateError as exc:  # e.g. a budget below the method's minimum: not run, with the reason
-                not_run.append({"method": m, "budget": b, "reason": str(exc)})
-                console.print(f"[yellow]{m} at budget {b} not run:[/] {exc}")
+        # one prefill per item shared by every run; a run below its method's minimum budget is not run
+        got, failed = run_methods(runs, base, tok, items, sekv_router, segment, progress=bar.advance,
+                                  slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
+    outcomes += got
+    not_run += failed
+    for e in failed:
+        console.print(f"[yellow]{e['method']} at budget {e['budget']} not run:[/] {e['reason']}")
     kv_info: dict = {"presses": presses, "hub_only": kp.NOT_RUN}
     press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
     if presses and len(press_items) < len(items):

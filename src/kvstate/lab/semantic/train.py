@@ -34,6 +34,7 @@ from kvstate.lab.workloads.tasks import TASKS, TRAIN_STREAM, TaskConfig, _make
 from kvstate.models import model_fingerprint
 from kvstate.semantic.attention import semantic_attention
 from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
+from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.lowrank import gated_reconstruction
 from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import SegmentConfig, span_weights
@@ -60,7 +61,7 @@ class TrainConfig:
     w_rec: float = 1.0
     w_expand: float = 0.05
     w_rank: float = 0.02
-    slow_budget: float = 0.25  # slow-tier bytes / raw span K/V the rank gates are trained under
+    slow_budget: float = SLOW_BUDGET  # slow-tier bytes / raw span K/V the rank gates are trained under
     rec_spans: int = 8  # spans per layer per step for the reconstruction loss
     seed: int = 0
 
