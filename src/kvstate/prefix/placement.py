@@ -19,18 +19,18 @@ savings of at most ``m`` checkpoints whose deepest is ``j``::
 a max of lines with slopes ``-g_i`` queried at ``x = G_j``. The max may range over *all* ``i``, not only
 ``i < j``: a set ending at ``i >= j`` truncated below ``j`` is never worse (G is non-increasing), so
 the unconstrained envelope equals the constrained one and a layer is an *offline* envelope problem:
-one upper convex hull of ``(g_i, f_{m-1}[i])`` plus one merge of the sorted query points. Grid points
+the upper envelope of the lines, i.e. the upper convex hull of ``(g_i, f_{m-1}[i])``, at every query. Grid points
 whose cell ``[g, g + align)`` holds no mass are dominated and dropped first (``K <= N // align``).
 
 Complexity, honestly: the paper's ``O(NM)`` uses a sequential monotone convex-hull trick; a Python
-loop of ``N * M`` steps is far too slow here, so each layer is whole-array NumPy work instead — a hull
-from :func:`kvstate.prefix.envelope.upper_hull` (the least concave majorant's vertices by the
-pool-adjacent-violators algorithm, one C call, then ``O(K)`` whole-array passes that confirm them) and a
-``searchsorted``
-(``O(K log K)`` in C, the largest single cost). Overall ``O(M K log K)`` time in practice and
-``O(M K)`` int32 back-pointers (32 MiB at ``K = 131072, M = 64``); the layer loop stops early once
-another slot changes nothing. Measured numbers are in ``benchmarks/prefix_planner.py``. Depths
-beyond the last checkpoint and before the first one need no special case in the savings form.
+loop of ``N * M`` steps is far too slow here, so each layer is a few whole-array NumPy steps around two
+C calls: :func:`kvstate.prefix.envelope.tangent_points` gives every chord of ``(g_i, f_{m-1}[i])`` the
+slope of the hull edge above it (pool-adjacent-violators, ``O(K)``) and finds each query's tangent
+point by binary search (``O(K log K)``, the largest single cost); no hull is built. Overall
+``O(M K log K)`` time and ``O(M K)`` int32 back-pointers (32 MiB at ``K = 131072, M = 64``); the layer
+loop stops early once another slot changes nothing. Measured numbers are in
+``benchmarks/prefix_planner.py``. Depths beyond the last checkpoint and before the first one need
+no special case in the savings form.
 
 All-zero weights raise ``ValueError``: every placement then costs the same and the expected recompute
 is undefined; callers smooth a cold histogram (``OverlapHistogram(alpha > 0)``) or pass a prior.
@@ -47,7 +47,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvstate.prefix.envelope import upper_hull
+from kvstate.prefix.envelope import tangent_points
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
@@ -63,7 +63,7 @@ def _weights(weights: npt.ArrayLike) -> FloatArray:
         if raw.dtype.kind not in "biuf":  # complex parts would be dropped, strings parsed: refuse both
             raise TypeError(f"dtype {raw.dtype} is not real numbers")
         with np.errstate(over="ignore"):
-            w = raw.astype(np.float64)
+            w = raw.astype(np.float64, copy=False)  # read only: the scaled copy below is the result
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"weights: cannot be read as numbers ({exc}); pass a 1-D array of real floats") from None
     if w.ndim != 1 or w.size < 2:
@@ -71,21 +71,19 @@ def _weights(weights: npt.ArrayLike) -> FloatArray:
             f"weights: expected a 1-D array of length N+1 >= 2 (one weight per overlap depth 0..N), "
             f"got shape {w.shape}; pass np.asarray(weights).ravel() of the per-depth weights"
         )
-    if not np.all(np.isfinite(w)):
+    low, peak = float(w.min()), float(w.max())  # a NaN reaches both, an inf one of them
+    if not (math.isfinite(low) and math.isfinite(peak)):
         raise ValueError("weights: contains NaN or inf; pass finite per-depth weights")
-    if np.any(w < 0):
-        raise ValueError(
-            f"weights: contains negative entries (min {w.min():g}); pass probabilities or counts >= 0"
-        )
-    peak = float(w.max())
+    if low < 0:
+        raise ValueError(f"weights: contains negative entries (min {low:g}); pass probabilities or counts >= 0")
     if peak <= 0.0:
         raise ValueError(
             "weights: all zero, so no overlap depth has any probability and every placement costs the "
             "same; pass at least one positive weight (e.g. a uniform prior np.ones(N+1)) or use "
             "OverlapHistogram with alpha > 0 before any request was observed"
         )
-    w = w / peak  # first: the sum of huge finite weights (1e308 each) would overflow to inf
-    scaled: FloatArray = w / float(w.sum())
+    scaled: FloatArray = w / peak  # first: the sum of huge finite weights (1e308 each) would overflow to inf
+    scaled /= float(scaled.sum())
     return scaled
 
 
@@ -212,9 +210,10 @@ def _junction(w: FloatArray, slots: int, align: int) -> list[int]:
 
 
 def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
-    """Exact layered DP over the candidate grid points (see the module docstring for the recurrence)."""
+    """Exact layered DP over the candidate grid points (see the module docstring for the recurrence).
+
+    Overwrites ``w`` (the caller's scaled copy from :func:`_weights`) with its survival sums."""
     n = w.size - 1
-    survival = np.cumsum(w[::-1])[::-1]  # G(t) = mass of depths >= t
     grid = np.arange(align, n + 1, align)
     # A grid point whose cell [g, g + align) holds no mass is dominated by the next one (moving a
     # checkpoint deeper through an empty cell never loses), so only cells with mass are candidates.
@@ -228,28 +227,23 @@ def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
             f"candidate depths (limit {MAX_PLAN_BYTES / 2**30:.0f} GiB); pass fewer slots, a larger align, "
             "or method 'balanced'"
         )
+    survival = np.cumsum(w[::-1], out=w[::-1])[::-1]  # G(t) = mass of depths >= t, written over w
     g = np.concatenate(([0.0], cand.astype(np.float64)))  # line slopes -g_i; index 0 = no checkpoint
     x = np.concatenate(([0.0], survival[cand]))  # query points G_j, non-increasing in j
     base = g * x  # g_j G_j: savings of the deepest checkpoint alone
     f = base.copy()  # layer 1: one checkpoint
     args: list[npt.NDArray[np.int32]] = [np.zeros(g.size, dtype=np.int32)]
-    neg_x = -x  # non-decreasing
+    dg = np.diff(g)
     for _ in range(2, slots + 1):
-        hull = upper_hull(g, f)
-        gh, fh = g.take(hull), f.take(hull)
-        # line hull[k] is best for x in [slope[k], slope[k-1]]: k = #{slopes > x}; ties go shallower
-        slope = np.diff(fh) / np.diff(gh)  # strictly decreasing
-        if 4 * slope.size < x.size:  # few hull lines: place the breakpoints among the queries instead
-            first = np.searchsorted(neg_x, -slope, side="right")  # first query each breakpoint beats
-            k = np.cumsum(np.bincount(first, minlength=x.size + 1)[: x.size])
-        else:
-            k = np.searchsorted(-slope, neg_x, side="left")
-        nxt = base + (fh.take(k) - gh.take(k) * x)
+        k = tangent_points(dg, f, x)  # the best previous checkpoint for each j (module docstring)
+        nxt = f.take(k)
+        nxt -= g.take(k) * x
+        nxt += base
         nxt[0] = 0.0
         if np.array_equal(nxt, f):
             break  # another slot changes nothing: later layers would repeat this one
         f = nxt
-        args.append(hull.astype(np.int32).take(k))
+        args.append(k.astype(np.int32))
     return _backtrack(f, args, cand)
 
 

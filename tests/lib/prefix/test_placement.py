@@ -1,17 +1,19 @@
 """Checkpoint placement (sparse prefix caching): the exact DP against a brute-force oracle, baselines against their
-definitions, the hull engine against a sequential monotone chain, and bad input."""
+definitions, the envelope engine against a brute-force maximum, and bad input."""
 
 from __future__ import annotations
 
 import math
 from functools import cache
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.prefix.envelope import _majorant_vertices, upper_hull
+from kvstate.prefix import envelope
+from kvstate.prefix.envelope import tangent_points
 from kvstate.prefix.placement import (
     METHODS,
     expected_recompute,
@@ -203,62 +205,47 @@ def test_properties(w: list[float], slots: int, align: int, scale: float) -> Non
         )
 
 
-def _monotone_chain(x: np.ndarray, y: np.ndarray) -> list[int]:
-    hull: list[int] = []
-    for i in range(x.size):
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]) >= 0:
-                hull.pop()
-            else:
-                break
-        hull.append(i)
-    return hull
-
-
-def test_upper_hull_matches_monotone_chain() -> None:
-    rng = np.random.default_rng(2)
-    for case in range(600):
-        n = int(rng.integers(1, 400))
-        x = np.sort(rng.choice(10_000, n, replace=False)).astype(np.float64)
-        kind = case % 5
-        if kind == 0:
-            y = rng.normal(size=n).cumsum()
-        elif kind == 1:  # concave run then a far high point: peels one vertex per plain pass
-            y = -((x - 5000.0) ** 2) / 1e4
-            y[-1] += rng.random() * 5e3
-        elif kind == 2:  # collinear stretches and ties
-            y = np.round(rng.normal(size=n))
-        elif kind == 3:  # many concave runs
-            y = np.sqrt(x) + 20 * np.sin(x / (50 + 500 * rng.random()))
-        else:
-            y = rng.random(n)
-        assert upper_hull(x, y).tolist() == _monotone_chain(x, y), case
-
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.integers(2, 300), st.integers(0, 2**32 - 1), st.integers(0, 4))
-def test_majorant_candidates_hold_every_hull_vertex_and_the_hull_is_the_monotone_chain(n, seed, kind) -> None:
-    """The pool-adjacent-violators candidates (least concave majorant) hold every vertex of the sequential
-    monotone chain, and upper_hull equals it: collinear runs, ties, a far point over a concave run."""
-    rng = np.random.default_rng(seed)
+def _points(rng: np.random.Generator, n: int, kind: int) -> tuple[np.ndarray, np.ndarray]:
     x = np.sort(rng.choice(10_000, n, replace=False)).astype(np.float64)
     if kind == 0:
         y = rng.normal(size=n).cumsum()
-    elif kind == 1:
+    elif kind == 1:  # concave run then a far high point
         y = -((x - 5000.0) ** 2) / 1e4
         y[-1] += rng.random() * 5e3
-    elif kind == 2:
+    elif kind == 2:  # collinear stretches and ties
         y = np.round(rng.normal(size=n))
-    elif kind == 3:
-        y = 3.0 * x + rng.integers(0, 2, n)  # nearly collinear: steps of one over a line
+    elif kind == 3:  # nearly collinear: steps of one over a line
+        y = 3.0 * x + rng.integers(0, 2, n)
     else:
         y = rng.random(n)
-    chain = _monotone_chain(x, y)
-    if n > 3:
-        assert set(chain) <= set(_majorant_vertices(x, y).tolist())
-    assert upper_hull(x, y).tolist() == chain
+    return x, y
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(2, 300), st.integers(0, 2**32 - 1), st.integers(0, 4), st.booleans())
+def test_tangent_points_reach_the_upper_envelope(n: int, seed: int, kind: int, public: bool) -> None:
+    """Every query's point reaches max_i y_i - q x_i (brute force over all points), for queries at
+    the chord slopes (ties), between and beyond them, in any order; also through SciPy's public
+    isotonic_regression (the path taken when its C kernel cannot be imported)."""
+    rng = np.random.default_rng(seed)
+    x, y = _points(rng, n, kind)
+    chords = np.diff(y) / np.diff(x)
+    q = np.concatenate((chords, rng.uniform(chords.min() - 1, chords.max() + 1, n)))
+    rng.shuffle(q)
+    with mock.patch.object(envelope, "_pava", None if public else envelope._pava):
+        got = tangent_points(np.diff(x), y, q)
+    values = y[None, :] - q[:, None] * x[None, :]
+    reached = values[np.arange(q.size), got]
+    tol = 1e-9 * (np.abs(y).max() + np.abs(q).max() * x.max() + 1.0)
+    assert got.shape == q.shape and np.all((got >= 0) & (got < n))
+    assert np.all(reached >= values.max(axis=1) - tol)
+
+
+def test_tangent_points_break_exact_ties_towards_the_smaller_index() -> None:
+    x = np.arange(6, dtype=np.float64)
+    y = np.array([0.0, 5.0, 9.0, 12.0, 14.0, 15.0])  # concave, chord slopes 5, 4, 3, 2, 1
+    q = np.array([6.0, 5.0, 4.5, 4.0, 1.0, 0.5, 3.0])
+    assert tangent_points(np.diff(x), y, q).tolist() == [0, 0, 1, 1, 4, 5, 2]
 
 
 BAD = [
