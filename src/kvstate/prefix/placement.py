@@ -210,14 +210,14 @@ def _junction(w: FloatArray, slots: int, align: int) -> list[int]:
 
 
 def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
-    """Exact layered DP over the candidate grid points (see the module docstring for the recurrence).
-
-    Overwrites ``w`` (the caller's scaled copy from :func:`_weights`) with its survival sums."""
+    """Exact layered DP over the candidate grid points (see the module docstring for the recurrence)."""
     n = w.size - 1
     grid = np.arange(align, n + 1, align)
     # A grid point whose cell [g, g + align) holds no mass is dominated by the next one (moving a
     # checkpoint deeper through an empty cell never loses), so only cells with mass are candidates.
-    cand = grid[np.add.reduceat(w, grid) > 0]
+    cell = np.add.reduceat(w, grid)  # mass of depths [g, g + align), the last cell up to N
+    keep = cell > 0
+    cand = grid[keep]
     if cand.size <= slots:
         return [int(v) for v in cand]
     need = 4 * slots * (cand.size + 1)  # int32 back-pointers, one row per slot
@@ -227,9 +227,9 @@ def _optimal(w: FloatArray, slots: int, align: int) -> list[int]:
             f"candidate depths (limit {MAX_PLAN_BYTES / 2**30:.0f} GiB); pass fewer slots, a larger align, "
             "or method 'balanced'"
         )
-    survival = np.cumsum(w[::-1], out=w[::-1])[::-1]  # G(t) = mass of depths >= t, written over w
     g = np.concatenate(([0.0], cand.astype(np.float64)))  # line slopes -g_i; index 0 = no checkpoint
-    x = np.concatenate(([0.0], survival[cand]))  # query points G_j, non-increasing in j
+    survival = np.cumsum(cell[::-1])[::-1]  # G(g) = mass of depths >= g, per grid point
+    x = np.concatenate(([0.0], survival[keep]))  # query points G_j, non-increasing in j
     base = g * x  # g_j G_j: savings of the deepest checkpoint alone
     f = base.copy()  # layer 1: one checkpoint
     args: list[npt.NDArray[np.int32]] = [np.zeros(g.size, dtype=np.int32)]
