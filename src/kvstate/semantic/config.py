@@ -29,6 +29,10 @@ SLOW_BUDGET = 0.375
 # "all": every span, ignoring the budget (the exactness oracle); "none": summaries only; "soft": training only
 Zoom = Literal["learned", "similarity", "all", "none", "soft"]
 Offload = Literal["lowrank", "raw"]  # the slow tier: low-rank SVD factors, or the raw span K/V (ablation)
+# which queries of a multi-token pass (the question fed after compression) rank the spans: "last", the token whose
+# output is the next token's logits (as single-token decoding ranks), or "all" (the maximum over every token,
+# where words shared by many spans — "the secret code of" before every needle — crowd the asked one out)
+RouteQuery = Literal["last", "all"]
 ZOOMS = ("learned", "similarity", "all", "none", "soft")
 
 
@@ -44,6 +48,7 @@ class SemanticConfig:
     offload: Offload = "lowrank"
     slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
     sticky: bool = True  # expanded spans stay in a budgeted working set (least relevant evicted when over)
+    route_query: RouteQuery = "last"  # queries of a multi-token pass that rank the spans (decode steps: the one)
 
     def __post_init__(self) -> None:
         check_float("SemanticConfig.budget", self.budget, 0.0, 1.0, lo_open=True, error=KVStateError,
@@ -60,6 +65,8 @@ class SemanticConfig:
         if self.zoom not in ZOOMS:
             raise KVStateError(f"SemanticConfig.zoom={self.zoom!r} must be one of {', '.join(map(repr, ZOOMS))} "
                                "('soft': training only)")
+        if self.route_query not in ("last", "all"):
+            raise KVStateError(f"SemanticConfig.route_query={self.route_query!r} must be 'last' or 'all'")
         if self.offload not in ("lowrank", "raw"):
             raise KVStateError(f"SemanticConfig.offload={self.offload!r} must be 'lowrank' or 'raw'")
         if not self.slow_tier and self.zoom != "none":

@@ -15,7 +15,9 @@ head wants a span when the relevance of any of its queries passes its threshold 
 every span is a candidate ranked by ``q . mean key`` (``"similarity"``). The budget governs the reads:
 candidates are taken by relevance, most relevant first, while the fast tier plus the reconstructed
 spans (all heads of a chosen span: the union is what is materialised) stay within ``budget`` x the full
-KV of the tokens seen — as Quest's top-k is capped. With ``sticky`` the expanded spans form a working set
+KV of the tokens seen — as Quest's top-k is capped. A pass of several tokens (the question) is ranked by
+its last token's query (``route_query="last"``, the token whose output predicts the next one) or by the
+maximum over its tokens (``"all"``). With ``sticky`` the expanded spans form a working set
 that stays on the device and stays expanded while it fits; the least relevant span is evicted first.
 Tokens fed after compression fold into spans once ``max_span`` of them have left the recent window, or
 earlier (at least ``min_span``) when the fast tier alone would pass the budget. With every span expanded
@@ -270,7 +272,8 @@ class SpanStore:
             logits[0] = logits[0].masked_fill(causal, float("-inf"))
         vals = [va]
         with torch.no_grad():
-            want, score = self.decide(q.detach(), scaling, router, layer, zoom)  # (H, S)
+            rq = q.detach() if config.route_query == "all" else q.detach()[:, -1:]  # (Hq, Tq or 1, D)
+            want, score = self.decide(rq, scaling, router, layer, zoom)  # (H, S)
             sticky = config.sticky and config.capped and self.sticky is not None
             if sticky:  # the working set stays a candidate; if it no longer fits, the least relevant goes
                 want[:, : self.sticky.shape[1]] |= self.sticky

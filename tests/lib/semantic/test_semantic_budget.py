@@ -112,6 +112,24 @@ def test_working_set_evicts_the_least_relevant_span():
     assert st.select(want, score, None).tolist() == [True, True, True]
 
 
+@pytest.mark.parametrize("route_query,expanded", [(None, (1,)), ("last", (1,)), ("all", (0,))])
+def test_a_multi_token_pass_ranks_spans_by_its_last_query_by_default(route_query, expanded):
+    """Room for one span: the question's last token wants span 1, an earlier token span 0 more strongly."""
+    from kvstate.semantic.lowrank import Raw
+
+    h, d = 1, 4
+    e = torch.eye(d)
+    st = SpanStore(torch.zeros(1, h, 2, d), torch.zeros(1, h, 2, d), e[None, None, :2], torch.zeros(1, h, 2, d),
+                   torch.zeros(h, 2, 2), torch.zeros(2), sizes=[4, 4],
+                   slow=[(Raw(torch.zeros(h, 4, d)), Raw(torch.zeros(h, 4, d))) for _ in range(2)])
+    kw = {} if route_query is None else {"route_query": route_query}
+    config = SemanticConfig(budget=0.9, zoom="similarity", sticky=False, **kw)
+    assert 4 * st.token_bytes <= st.allowance(config.budget) < 8 * st.token_bytes  # one span fits, not two
+    query = torch.stack([5 * e[0], e[1]])[None, None]  # (1, Hq, Tq=2, D): token 0 -> span 0, last token -> span 1
+    st.attend(query, 1.0, None, 0, config)
+    assert st._joined is not None and st._joined[0] == expanded
+
+
 def _brute(gains, costs, caps, budget):
     best, arg = -1.0, None
     for ranks in itertools.product(*[range(1, c + 1) for c in caps]):
@@ -202,7 +220,7 @@ def test_budget_errors_name_the_minimum():
 @pytest.mark.parametrize("kw,field", [({"expand_share": 1.0}, "expand_share"), ({"expand_share": -0.1}, "expand_share"),
                                       ({"slow_budget": 0.0}, "slow_budget"), ({"slow_budget": True}, "slow_budget"),
                                       ({"max_rank": 0}, "max_rank"), ({"offload": "disk"}, "offload"),
-                                      ({"zoom": "nearest"}, "zoom")])
+                                      ({"zoom": "nearest"}, "zoom"), ({"route_query": "first"}, "route_query")])
 def test_config_refuses_out_of_range_fields(kw, field):
     from kvstate.errors import KVStateError
 
