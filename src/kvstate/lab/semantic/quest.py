@@ -4,7 +4,8 @@ After "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference": th
 sink tokens and the recent window is cut into pages of ``page`` tokens; the fast tier keeps the sinks,
 the recent window and, per page and KV head, the element-wise minimum and maximum key. At each forward
 call a page's attention upper bound ``sum_d max(q_d min_d, q_d max_d)`` (maximised over the KV head's
-query heads and the fed tokens) ranks the pages per KV head, and pages are read from the slow tier (the
+query heads and, as SEKV's ``route_query``, the last fed token — or every fed token with
+``route_query="all"``) ranks the pages per KV head, and pages are read from the slow tier (the
 raw page K/V on CPU) — taken from the heads' rankings in turn, so the union over heads is what is
 materialised — and attended at full resolution by every head. The number of pages is capped at every
 forward call so the fast tier plus the pages read stay within ``budget`` x the full KV of the tokens seen
@@ -35,6 +36,7 @@ class PageStore:
     page: int  # tokens per page
     budget: float  # (fast tier + pages read) / full KV of the tokens seen, at every call
     top_k: int | None = None  # a fixed page count instead of the budget (the every-page oracle in the tests)
+    route_query: str = "last"  # which fed tokens' queries rank pages: "last" (as SEKV's default) or "all"
     expanded: list[float] = field(default_factory=list)
     reads: list[int] = field(default_factory=list)  # per call: K/V bytes materialised and read
     full_at: list[int] = field(default_factory=list)  # per call: full K/V bytes of the tokens seen then
@@ -79,7 +81,8 @@ class PageStore:
         n_pages = self.page_min.shape[1]
         k = min(self.n_pages_now(), n_pages)
         if k > 0:
-            bound = torch.maximum(qg[:, :, None, :] * self.page_min[:, None], qg[:, :, None, :] * self.page_max[:, None])
+            qr = qg.view(h, g, tq, d)[:, :, -1] if self.route_query == "last" else qg  # (H, rows, D)
+            bound = torch.maximum(qr[:, :, None, :] * self.page_min[:, None], qr[:, :, None, :] * self.page_max[:, None])
             order = bound.sum(-1).amax(1).argsort(dim=1, descending=True)  # (H, P) pages by upper bound, per head
             chosen: list[int] = []
             for p in order.T.flatten().tolist():  # the heads' rankings in turn: rank 0 of every head, then rank 1 ...
@@ -132,6 +135,6 @@ class QuestCache(SemanticCache):
             pages = padded.reshape(h, n_pages, self.page, d)
             layer.store = PageStore(k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), pages.amin(2), pages.amax(2),
                                     mid.cpu().contiguous(), v[0, :, lo:hi].cpu().contiguous(), self.page,
-                                    self.config.budget)
+                                    self.config.budget, route_query=self.config.route_query)
             layer.keys = layer.values = None
         return None
