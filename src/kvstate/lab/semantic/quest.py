@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvstate.errors import BudgetError
+from kvstate.lab.semantic.window import anchor_logits
 from kvstate.semantic.cache import SemanticCache
 
 
@@ -72,10 +73,8 @@ class PageStore:
         hq, tq, d = q.shape
         h = self.anchor_k.shape[1]
         g = hq // h
-        qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D)
-        a = self.anchor_k.shape[2]
-        causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
-        logits = [(qg @ self.anchor_k[0].transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))]
+        qg, first = anchor_logits(query, self.anchor_k, scaling)  # (H, g*Tq, D), (H, g*Tq, A)
+        logits = [first]
         vals = [self.anchor_v[0]]
         read = self.anchor_k.nbytes + self.anchor_v.nbytes
         n_pages = self.page_min.shape[1]

@@ -22,6 +22,19 @@ from kvstate.errors import BudgetError
 from kvstate.semantic.cache import SemanticCache
 
 
+def anchor_logits(query: torch.Tensor, anchor_k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped queries ``(H, g*Tq, D)`` of ``query`` (1, Hq, Tq, D) and their causal logits against the
+    anchors ``anchor_k`` (1, H, A, D) (the fed tokens are the anchors' last ``Tq``): ``(H, g*Tq, A)``."""
+    q = query[0]  # (Hq, Tq, D)
+    hq, tq, d = q.shape
+    h = anchor_k.shape[1]
+    g = hq // h
+    qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D)
+    a = anchor_k.shape[2]
+    causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
+    return qg, (qg @ anchor_k[0].transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))
+
+
 @dataclass
 class WindowStore:
     anchor_k: torch.Tensor  # (1, H, K, D) the sinks, then the window (tokens fed since compression included)
@@ -60,17 +73,11 @@ class WindowStore:
             self.anchor_k, self.anchor_v = self.anchor_k[:, :, idx], self.anchor_v[:, :, idx]
 
     def attend(self, query: torch.Tensor, scaling: float, *_: Any) -> torch.Tensor:
-        q = query[0]  # (Hq, Tq, D)
-        hq, tq, d = q.shape
-        h = self.anchor_k.shape[1]
-        g = hq // h
-        qg = q.reshape(h, g * tq, d)  # (H, g*Tq, D)
-        a = self.anchor_k.shape[2]
-        causal = (torch.arange(a)[None, :] > torch.arange(a - tq, a)[:, None]).repeat(g, 1)  # (g*Tq, A)
-        logits = (qg @ self.anchor_k[0].transpose(-1, -2) * scaling).masked_fill(causal, float("-inf"))
+        hq, tq, d = query.shape[1:]
+        _, logits = anchor_logits(query, self.anchor_k, scaling)
         self.reads.append(self.fast_nbytes())
         self.full_at.append(self.full_nbytes())
-        p = torch.softmax(logits.float(), -1).to(q.dtype)
+        p = torch.softmax(logits.float(), -1).to(query.dtype)
         return (p @ self.anchor_v[0]).reshape(1, hq, tq, d)
 
 
