@@ -2,10 +2,10 @@
 
 For each kept fraction the model runs under its sharing pattern (:func:`kvstate.depth.sharing.apply_sharing`)
 and generates from a ``context``-token prompt into a :func:`~kvstate.depth.sharing.sharing_cache`, as a
-user deploys it. Two generate calls per repeat — one new token (prefill + first token) and ``new_tokens``
-tokens — give the decode rate ``(new_tokens - 1) / (t_long - t_short)``; repeats interleave the keeps so
-load on a shared machine spreads over all of them, and the median and spread are reported beside the
-full cache's (keep 1). ``cache_bytes`` is measured from the cache's tensors after generation
+user deploys it. A streamer stamps the time of every token ``generate`` emits, so one call gives the
+prefill (prompt to first token) and the decode rate ``(new_tokens - 1) / (t_last - t_first)`` without
+subtracting two noisy calls; repeats interleave the keeps so load on a shared machine spreads over all of
+them, and the median and spread are reported beside the full cache's (keep 1). ``cache_bytes`` is measured from the cache's tensors after generation
 (:func:`kvstate.models.accounting.cache_nbytes`): the resident KV a deployment holds at that length.
 """
 
@@ -25,6 +25,8 @@ def decode_benchmark(model: Any, keeps: Sequence[float], *, context: int = 2048,
                      repeats: int = 5, seed: int = 0, kind: str = "keep") -> list[dict[str, Any]]:
     """One row per keep: ``keep, pattern, context, new_tokens, decode_tok_s, decode_tok_s_range,
     prefill_s, cache_bytes, cache_bytes_vs_full, decode_speedup_vs_full`` (medians over ``repeats``)."""
+    from transformers.generation.streamers import BaseStreamer
+
     from kvstate.depth.attention import layer_specs
     from kvstate.depth.patterns import for_keep, format_pattern
     from kvstate.depth.sharing import apply_sharing, sharing_cache
@@ -42,32 +44,44 @@ def decode_benchmark(model: Any, keeps: Sequence[float], *, context: int = 2048,
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
 
-    def run(pattern: Any, n: int) -> tuple[float, int]:
-        cache = sharing_cache(model.config, pattern)
-        t0 = time.perf_counter()
-        out = model.generate(ids, cache=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        dt = time.perf_counter() - t0
-        if out.shape[1] != context + n:
-            raise KVStateError(f"decode benchmark: generate returned {out.shape[1] - context} tokens, asked {n}")
-        return dt, cache_nbytes(cache)
+    class Clock(BaseStreamer):
+        """Stamps each ``put``: the prompt first, then every new token."""
 
-    short: dict[float, list[float]] = {k: [] for k, _ in patterns}
-    long: dict[float, list[float]] = {k: [] for k, _ in patterns}
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def put(self, value: Any) -> None:
+            self.stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    def run(pattern: Any) -> tuple[float, float, int]:
+        cache, clock = sharing_cache(model.config, pattern), Clock()
+        out = model.generate(ids, cache=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=clock)
+        t = clock.stamps
+        if out.shape[1] != context + new_tokens or len(t) != new_tokens + 1:
+            raise KVStateError(f"decode benchmark: generate returned {out.shape[1] - context} tokens, asked {new_tokens}")
+        return t[1] - t[0], (new_tokens - 1) / (t[-1] - t[1]), cache_nbytes(cache)
+
+    prefill: dict[float, list[float]] = {k: [] for k, _ in patterns}
+    rates: dict[float, list[float]] = {k: [] for k, _ in patterns}
     held: dict[float, int] = {}
     with torch.inference_mode():
         for _ in range(repeats):
             for keep, pattern in patterns:
                 with apply_sharing(model, pattern):
-                    short[keep].append(run(pattern, 1)[0])
-                    dt, held[keep] = run(pattern, new_tokens)
-                    long[keep].append(dt)
+                    p, r, held[keep] = run(pattern)
+                prefill[keep].append(p)
+                rates[keep].append(r)
     rows = []
     for keep, pattern in patterns:
-        rates = [(new_tokens - 1) / max(tl - ts, 1e-9) for tl, ts in zip(long[keep], short[keep], strict=True)]
+        rs = rates[keep]
         rows.append({"keep": keep, "pattern": format_pattern(pattern), "context": context, "new_tokens": new_tokens,
-                     "decode_tok_s": round(statistics.median(rates), 2),
-                     "decode_tok_s_range": [round(min(rates), 2), round(max(rates), 2)],
-                     "prefill_s": round(statistics.median(short[keep]), 4), "cache_bytes": held[keep]})
+                     "decode_tok_s": round(statistics.median(rs), 2),
+                     "decode_tok_s_range": [round(min(rs), 2), round(max(rs), 2)],
+                     "prefill_s": round(statistics.median(prefill[keep]), 4), "cache_bytes": held[keep]})
     full = next((r for r in rows if r["keep"] == 1.0), None)
     for r in rows:
         r["cache_bytes_vs_full"] = round(r["cache_bytes"] / full["cache_bytes"], 4) if full else None
