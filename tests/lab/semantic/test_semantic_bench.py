@@ -284,8 +284,54 @@ def test_cli_ppl_rows(tmp_path, model_dir):
     assert r.exit_code == 0, r.output
     [run] = json.loads(out.read_text())["runs"]  # one run, with where it came from
     assert run["provenance"]["n"] == 1 and run["provenance"]["lengths"] == [96]
+    assert run["provenance"]["parts"] == 1 and not (tmp_path / ".eval.json.journal").exists()  # removed when written
     rows = {x["method"]: x for x in run["results"]}
     assert set(rows) == {"full", "sekv"} and all(x["task"] == "ppl" and list(x) == list(ROW_FIELDS)
                                                  for x in rows.values())
     assert rows["full"]["score"] > 1 and rows["sekv"]["attended_bytes_peak"] <= 0.8 * rows["sekv"]["full_bytes"]
     assert run["slow_tier"] and run["slow_tier"][0]["slow_bytes"] <= run["slow_tier"][0]["budget_bytes"]
+
+
+def test_an_interrupted_run_resumes_from_its_journal_with_the_same_outcomes(model_dir, tmp_path, monkeypatch):
+    """A run killed after its first item and rerun with the same journal computes only the rest and
+    returns the outcomes of an unbroken run."""
+    import dataclasses
+
+    from kvstate.lab.journal import Journal, identity
+    from kvstate.lab.semantic.bench import run_methods
+
+    _, model, tok = model_dir
+    items = build_items(tok, "niah_single", 128, 2, 0)
+    seg = SegmentConfig(sinks=2, recent=8, max_span=8)
+    runs = [("full", 1.0), ("sekv", 0.9), ("quest", 0.5), ("sekv", 0.02)]  # the last one fails: below the minimum
+    ident = identity({"runs": runs}, [], [])
+    unbroken, failed_ref = run_methods(runs, model, tok, items, None, seg)
+
+    class Killed(Exception):
+        pass
+
+    calls = []
+
+    def kill_after_first_item():
+        calls.append(1)
+        if len(calls) == len(runs):  # the first item's last run: it is journaled before this call
+            raise Killed
+
+    path = tmp_path / ".eval.json.journal"
+    with pytest.raises(Killed):
+        run_methods(runs, model, tok, items, None, seg, progress=kill_after_first_item, journal=Journal(path, ident))
+    resumed = Journal(path, ident)
+    assert resumed.resumed == 1
+    from kvstate.lab.semantic import bench
+
+    prefills = []
+    real = bench.prefill
+    monkeypatch.setattr(bench, "prefill", lambda m, it: prefills.append(it.index) or real(m, it))
+    got, failed = run_methods(runs, model, tok, items, None, seg, journal=resumed)
+    assert prefills == [items[1].index]  # only the item the killed part had not finished
+    assert failed == failed_ref and [e["budget"] for e in failed] == [0.02]
+    assert {o.method for o in got} == {"full", "sekv", "quest"}
+    drop = ("decode_s",)
+    assert [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in got] == \
+        [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in unbroken]
+    assert len(resumed.units) == 2

@@ -127,3 +127,39 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
     finally:
         srv.terminate()
         srv.wait(10)
+
+
+def test_an_interrupted_bench_resumes_from_its_journal(pair_dirs: tuple[Path, Path], codec_dir: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bench killed after two prompts reruns only the rest and gives the unbroken run's rows."""
+    from kvstate.lab.transfer import bench
+
+    p, c = pair_dirs
+    args = ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec", str(codec_dir), "--n", "1",
+            "--length", "256", "--ppl-n", "1", "--weak-n", "0", "--ablation-n", "1", "--no-budget", "--json"]
+    whole = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "whole.json")])
+    assert whole.exit_code == 0, whole.output
+    real, calls = bench._prompt, []
+
+    def killed_after_two(*a: object, **k: object) -> object:
+        calls.append(1)
+        if len(calls) > 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(bench, "_prompt", killed_after_two)
+    out = tmp_path / "b.json"
+    assert CliRunner().invoke(app, [*args, "--out", str(out)]).exit_code != 0
+    assert (tmp_path / ".b.json.journal").is_file() and not out.exists()
+    calls.clear()
+    monkeypatch.setattr(bench, "_prompt", lambda *a, **k: calls.append(1) or real(*a, **k))
+    res = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert len(calls) == 2  # 4 needle tasks x 1 length x 1 item: two were journaled
+    [run] = json.loads(out.read_text())["runs"]
+    [ref] = json.loads((tmp_path / "whole.json").read_text())["runs"]
+    drop = ("consumer_ms",)  # wall time
+    assert [{k: v for k, v in r.items() if k not in drop} for r in run["results"]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in ref["results"]]
+    assert run["provenance"]["parts"] == 2 and run["provenance"]["resumed_units"] == 3  # droidspeak + 2 prompts
+    assert not (tmp_path / ".b.json.journal").exists()

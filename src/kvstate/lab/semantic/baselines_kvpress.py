@@ -18,11 +18,12 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError
+from kvstate.lab.journal import Journal
 from kvstate.lab.semantic.bench import Outcome, score_prediction
 from kvstate.lab.semantic.protocol import Item, items_to_rows, read_jsonl, write_jsonl
 
@@ -68,10 +69,12 @@ def not_run(presses: Sequence[str], budgets: Sequence[float], reason: str) -> li
     return [{"method": snake(p), "budget": b, "reason": reason} for p in presses for b in budgets]
 
 
-def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str],
-                budgets: Sequence[float], workdir: Path, threads: int = 1) -> tuple[list[Outcome], list[dict]]:
-    """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and "not run" entries (one per
-    press and budget that raised for any item, with the first reason)."""
+CHUNK = 20  # items per runner call: the unit a journal records
+
+
+def _runner(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str], budgets: Sequence[float],
+            workdir: Path, threads: int) -> list[dict[str, Any]]:
+    """The runner's result rows for ``items`` (one subprocess, one model load)."""
     tasks, out = workdir / "kvpress_tasks.jsonl", workdir / "kvpress_results.jsonl"
     write_jsonl(tasks, items_to_rows(list(items)))
     cmd = [str(python), str(RUNNER), "--model", str(model_dir), "--tasks", str(tasks), "--out", str(out),
@@ -80,9 +83,33 @@ def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: S
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise KVPressEnvError(f"the kvpress runner failed: {done.stderr.strip()[-800:]}")
+    return list(read_jsonl(out))
+
+
+def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str],
+                budgets: Sequence[float], workdir: Path, threads: int = 1, journal: Journal | None = None,
+                progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], list[dict]]:
+    """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and "not run" entries (one per
+    press and budget that raised for any item, with the first reason).
+
+    Items go to the runner :data:`CHUNK` at a time; with a ``journal`` each chunk's rows are recorded and a
+    chunk already there is read back instead of run again. ``progress(k)`` after each chunk of ``k`` items.
+    """
+    rows: list[dict[str, Any]] = []
+    for c in range(0, len(items), CHUNK):
+        part = list(items[c:c + CHUNK])
+        unit = f"kvpress/{c}:{c + len(part)}"
+        got = journal.get(unit) if journal is not None else None
+        if got is None:
+            got = _runner(python, model_dir, part, presses, budgets, workdir, threads)
+            if journal is not None:
+                journal.put(unit, got)
+        rows += got
+        if progress is not None:
+            progress(len(part))
     by_key = {(it.task, it.length, it.index): it for it in items}
     outcomes, failed = [], {}
-    for r in read_jsonl(out):
+    for r in rows:
         budget = round(1 - r["ratio"], 6)
         if "error" in r:
             failed.setdefault((r["press"], budget), r["error"])

@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from kvstate.errors import KVStateError
 from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
+from kvstate.lab.journal import Journal
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer
 from kvstate.lab.semantic.protocol import PPL, Item
@@ -225,11 +226,57 @@ def _ask(method: str, budget: float, model: Any, tokenizer: Any, it: Item, cache
     return out
 
 
+def _item(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, it: Item, router: SemanticRouter | None,
+          segment: SegmentConfig, config: SemanticConfig | None, expand_share: float, slow_budget: float,
+          failed: dict[int, KVStateError]) -> dict[str, dict[int, Any]]:
+    """One item under every run not yet ``failed``: ``{"outcomes": {run: [...]}, "logs": {run: [...]},
+    "failed": {run: error}}`` (a run whose compression failed on this item stops here)."""
+    pre = prefill(model, it)
+    shared: dict[SemanticConfig, SemanticCache] = {}  # sekv and sekv_fresh differ in sticky only
+    rec: dict[str, dict[int, Any]] = {"outcomes": {}, "logs": {}, "failed": {}}
+    for r, (method, budget) in enumerate(runs):
+        if r in failed:
+            continue
+        cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
+                                                               slow_budget)) if method in SEKV_METHODS else None
+        key = dataclasses.replace(cfg, sticky=False) if cfg is not None else None
+        try:
+            cache = shared[key].fork(cfg) if key in shared else \
+                compressed_cache(method, model, tokenizer, it, budget, router, segment, cfg, expand_share,
+                                 slow_budget, prefilled=pre)
+        except KVStateError as exc:  # e.g. a budget below the method's minimum: the run stops
+            rec["failed"][r] = exc
+            continue
+        if key is not None:
+            shared.setdefault(key, cache)
+        if method in SEKV_METHODS:
+            rec["logs"][r] = [{"method": method, "budget": budget, "task": it.task, "length": it.length,
+                               "index": it.index, **cache.slow_tier()}]
+        rec["outcomes"][r] = _ask(method, budget, model, tokenizer, it, cache)
+    return rec
+
+
+def _unit(it: Item) -> str:
+    return f"{it.task}/{it.length}/{it.index}"
+
+
+def _encode(rec: dict[str, dict[int, Any]]) -> dict[str, Any]:
+    return {"outcomes": {str(r): [dataclasses.asdict(o) for o in g] for r, g in rec["outcomes"].items()},
+            "logs": {str(r): g for r, g in rec["logs"].items()},
+            "failed": {str(r): str(exc) for r, exc in rec["failed"].items()}}
+
+
+def _decode(rec: dict[str, Any]) -> dict[str, dict[int, Any]]:
+    return {"outcomes": {int(r): [Outcome(**o) for o in g] for r, g in rec["outcomes"].items()},
+            "logs": {int(r): g for r, g in rec["logs"].items()},
+            "failed": {int(r): KVStateError(msg) for r, msg in rec["failed"].items()}}
+
+
 @torch.no_grad()
 def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
          router: SemanticRouter | None, segment: SegmentConfig, progress: Callable[[], None] | None,
          config: SemanticConfig | None, slow_log: list[dict[str, Any]] | None, expand_share: float,
-         slow_budget: float) -> tuple[list[Outcome], dict[int, KVStateError]]:
+         slow_budget: float, journal: Journal | None = None) -> tuple[list[Outcome], dict[int, KVStateError]]:
     """Outcomes of every (method, budget) run in run order, and the error that stopped each failed run."""
     for method, _ in runs:
         if method not in IN_PROCESS:
@@ -238,27 +285,21 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
     logs: list[list[dict[str, Any]]] = [[] for _ in runs]
     failed: dict[int, KVStateError] = {}
     for it in items:  # item-major: one prefill per item, shared by every run
-        pre = prefill(model, it)
-        shared: dict[SemanticConfig, SemanticCache] = {}  # sekv and sekv_fresh differ in sticky only
-        for r, (method, budget) in enumerate(runs):
-            if r not in failed:
-                cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
-                                                                       slow_budget)) if method in SEKV_METHODS else None
-                key = dataclasses.replace(cfg, sticky=False) if cfg is not None else None
-                try:
-                    cache = shared[key].fork(cfg) if key in shared else \
-                        compressed_cache(method, model, tokenizer, it, budget, router, segment, cfg, expand_share,
-                                         slow_budget, prefilled=pre)
-                except KVStateError as exc:  # e.g. a budget below the method's minimum: the run stops
-                    failed[r] = exc
-                if key is not None and r not in failed:
-                    shared.setdefault(key, cache)
-                if r not in failed:
-                    if method in SEKV_METHODS:
-                        logs[r].append({"method": method, "budget": budget, "task": it.task, "length": it.length,
-                                        "index": it.index, **cache.slow_tier()})
-                    got[r] += _ask(method, budget, model, tokenizer, it, cache)
-            if progress is not None:
+        done = journal.get(_unit(it)) if journal is not None else None
+        if done is not None:
+            rec = _decode(done)
+        else:
+            rec = _item(runs, model, tokenizer, it, router, segment, config, expand_share, slow_budget, failed)
+            if journal is not None:
+                journal.put(_unit(it), _encode(rec))
+        for r, exc in rec["failed"].items():
+            failed.setdefault(r, exc)
+        for r, g in rec["outcomes"].items():
+            got[r] += g
+        for r, g in rec["logs"].items():
+            logs[r] += g
+        if progress is not None:
+            for _ in runs:
                 progress()
     if slow_log is not None:
         slow_log += [e for r, log in enumerate(logs) if r not in failed for e in log]
@@ -268,17 +309,18 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
 def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
                 router: SemanticRouter | None, segment: SegmentConfig,
                 progress: Callable[[], None] | None = None, slow_log: list[dict[str, Any]] | None = None,
-                expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET,
+                expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET, journal: Journal | None = None,
                 ) -> tuple[list[Outcome], list[dict[str, Any]]]:
     """Answer every question of ``items`` under every in-process (method, budget) of ``runs``.
 
     Each item's context is prefilled once and compressed per run; each question is asked of a fork of the
     compressed cache. Returns the outcomes in run order (as :func:`run_method` run by run) and the runs that
     could not run (a budget below a method's minimum), as ``{"method", "budget", "reason"}``; ``progress``
-    is called once per run and item.
+    is called once per run and item. With a ``journal`` (:mod:`kvstate.lab.journal`) each finished item is
+    recorded and an item already there is read back instead of run again.
     """
     outcomes, failed = _run(runs, model, tokenizer, items, router, segment, progress, None, slow_log, expand_share,
-                            slow_budget)
+                            slow_budget, journal)
     return outcomes, [{"method": runs[r][0], "budget": runs[r][1], "reason": str(exc)} for r, exc in failed.items()]
 
 

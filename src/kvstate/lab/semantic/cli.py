@@ -111,6 +111,7 @@ def eval_command(
         write_results,
     )
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
+    from kvstate.lab.journal import Journal, identity, journal_path
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
@@ -172,10 +173,22 @@ def eval_command(
     outcomes, not_run, slow_log = [], [], []
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
+    journal = None
+    if save is not None:  # a recorded run is resumable: finished items are journaled beside the result file
+        journal = Journal(journal_path(save), identity(
+            {"model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
+             "lengths": lengths, "n": n, "seed": seed, "recent": recent, "max_span": max_span,
+             "expand_share": expand_share, "slow_budget": slow_budget, "threads": threads},
+            EVAL_CODE, [model, *([rdir] if (rdir / "router.safetensors").is_file() else [])]))
+        if journal.set_aside is not None:
+            console.print(f"[yellow]a journal of another run was moved aside to {journal.set_aside}[/]")
+        if journal.resumed:
+            console.print(f"resuming: {journal.resumed} units finished by earlier parts ({journal.path})")
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
         # one prefill per item shared by every run; a run below its method's minimum budget is not run
         got, failed = run_methods(runs, base, tok, items, sekv_router, segment, progress=bar.advance,
-                                  slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget)
+                                  slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget,
+                                  journal=journal)
     outcomes += got
     not_run += failed
     for e in failed:
@@ -189,8 +202,9 @@ def eval_command(
             py = kp.ensure_env(kvpress_venv)
             kv_info["versions"] = kp.versions(py)
             console.print(f"kvpress: {len(presses)} presses x {len(budgets)} budgets x {len(press_items)} items (isolated env)")
-            with tempfile.TemporaryDirectory() as work:
-                got, failed = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads)
+            with tempfile.TemporaryDirectory() as work, progress_bar("kvpress", len(press_items), unit="items") as bar:
+                got, failed = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads,
+                                             journal=journal, progress=bar.advance)
             outcomes += got
             not_run += failed
         except KVStateError as exc:  # say why, run the rest: every press is "not run", never 0
@@ -213,10 +227,12 @@ def eval_command(
     for e in not_run:
         table.add_row(e["method"], str(e["budget"]), "not run", "", "", "", "", "", "", "", "", e["reason"][:60])
     table_console(as_json).print(table)
-    prov = rec.finish()
+    prov = rec.finish() if journal is None else journal.stamp(rec.finish())
     printed = {**result, "provenance": prov}
     if save is not None:
         write_results(save, result, prov, overwrite=overwrite)
+        if journal is not None:
+            journal.close()
         from kvstate.integrity import artifact_kind
 
         if save.name == "eval.json" and artifact_kind(save.parent) == "router":  # the router's card quotes it

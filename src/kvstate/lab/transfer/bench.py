@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from kvstate.errors import KVStateError
 from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
+from kvstate.lab.journal import Journal, once
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import extract_answer, f1, score
 from kvstate.lab.transfer.baselines import (
@@ -137,8 +138,14 @@ def _transfer(enc: Encode, dec: Decode, ids: torch.Tensor) -> tuple[Any, int, fl
 
 
 def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
-              tick: Callable[[str], None] | None = None, pca_codec: Codec | None = None) -> dict[str, Any]:
-    """Every method on the same prompts; returns the JSON of ``kvstate transfer bench``."""
+              tick: Callable[[str], None] | None = None, pca_codec: Codec | None = None,
+              journal: Journal | None = None) -> dict[str, Any]:
+    """Every method on the same prompts; returns the JSON of ``kvstate transfer bench``.
+
+    With a ``journal`` (:mod:`kvstate.lab.journal`) every finished unit — the DroidSpeak profile, one
+    prompt under every method, one held-out text, one rank-ablation pass — is recorded, and a unit
+    already there is read back instead of run again (an interrupted bench resumes).
+    """
     from kvstate.lab.workloads.tasks import generate
 
     if pca_codec is not None and (pca_codec.info.get("config") or {}).get("reuse_map") != "pca":
@@ -146,38 +153,30 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
                          "pass one to --pca-codec")
     tick = tick or (lambda _s: None)
     seed = int((codec.info.get("config") or {}).get("seed", 7919))  # the calibration stream: dev data, not test
-    block, block_kl = droidspeak_profile(producer, consumer, tokenizer, cfg, seed)
+    blk, block_kl = once(journal, "droidspeak", lambda: list(droidspeak_profile(producer, consumer, tokenizer, cfg, seed)))
+    block = (int(blk[0]), int(blk[1]))
     tick("droidspeak")
     methods = transfer_methods(producer, consumer, codec, block, pca_codec, cfg.budget_rows)
     names = ["oracle", *methods]
-    eos = tokenizer.eos_token_id
     rows: dict[tuple[str, int], dict[str, list[float]]] = {
         (m, L): {"score": [], "f1": [], "ms": [], "bytes": [], "tokens": []} for m in names for L in cfg.lengths}
     cells: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     weak: dict[str, dict[str, list[float]]] = {m: {} for m in names}
     for task, length, n, strong in [(t, L, cfg.n, True) for t in cfg.tasks for L in cfg.lengths] + \
             [(t, cfg.lengths[0], cfg.weak_n, False) for t in cfg.weak_tasks]:
-        for ex in generate(task, length, n, cfg.seed, tokenizer) if n else []:
-            ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
-            budget = len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
+        for i, ex in enumerate(generate(task, length, n, cfg.seed, tokenizer) if n else []):
+            unit = f"prompt/{task}/{length}/{i}" + ("" if strong else "/weak")
+            got = once(journal, unit, lambda ex=ex: _prompt(consumer, tokenizer, methods, names, ex))
             for m in names:
-                if m == "oracle":
-                    new, ms = _greedy(consumer, eos, ids, DynamicCache(config=consumer.config), 0, budget)
-                    nbytes = 0
-                else:
-                    cache, nbytes, dec_ms = _transfer(*methods[m], ids)
-                    new, first_ms = _greedy(consumer, eos, ids, cache, ids.shape[1] - 1, budget)
-                    ms = dec_ms + first_ms
-                pred = tokenizer.decode(new, skip_special_tokens=True)
-                s, f = score(ex, pred), f1(extract_answer(pred), ex.answers)
+                s, f, ms, nbytes, ntok = got[m]
                 (cells if strong else weak)[m].setdefault(f"{task}@{length}", []).append(s)
                 if strong:
                     r = rows[(m, length)]
-                    for key, val in (("score", s), ("f1", f), ("ms", ms), ("bytes", nbytes), ("tokens", ids.shape[1] - 1)):
+                    for key, val in (("score", s), ("f1", f), ("ms", ms), ("bytes", nbytes), ("tokens", ntok)):
                         r[key].append(val)
             tick(task)
     ppl_texts: dict[str, list[TextNLL]] = {}
-    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick, only=names, texts=ppl_texts)
+    ppl = _perplexities(consumer, tokenizer, methods, cfg, tick, only=names, texts=ppl_texts, journal=journal)
     ppl_ci = _ppl_intervals(ppl_texts, cfg.seed)
     results = []
     for (m, length), r in rows.items():
@@ -208,28 +207,57 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
                                                      "impact_patch", "patch_in_context", "patch_gain", "amplification",
                                                      "kl_all_layers")}}
     if cfg.ablation_n:
-        out["ablation_rank"] = _rank_ablation(producer, consumer, tokenizer, codec, cfg, tick)
+        out["ablation_rank"] = _rank_ablation(producer, consumer, tokenizer, codec, cfg, tick, journal)
+    return out
+
+
+def _prompt(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]], names: Sequence[str],
+            ex: Any) -> dict[str, list[float]]:
+    """One prompt under every method: ``{method: [score, f1, consumer ms, payload bytes, tokens sent]}``."""
+    ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
+    budget = len(tokenizer(ex.target, add_special_tokens=False)["input_ids"]) + 8
+    eos = tokenizer.eos_token_id
+    out = {}
+    for m in names:
+        if m == "oracle":
+            new, ms = _greedy(consumer, eos, ids, DynamicCache(config=consumer.config), 0, budget)
+            nbytes = 0
+        else:
+            cache, nbytes, dec_ms = _transfer(*methods[m], ids)
+            new, first_ms = _greedy(consumer, eos, ids, cache, ids.shape[1] - 1, budget)
+            ms = dec_ms + first_ms
+        pred = tokenizer.decode(new, skip_special_tokens=True)
+        out[m] = [score(ex, pred), f1(extract_answer(pred), ex.answers), ms, nbytes, ids.shape[1] - 1]
     return out
 
 
 @torch.inference_mode()
 def _perplexities(consumer: Any, tokenizer: Any, methods: dict[str, tuple[Encode, Decode]], cfg: BenchConfig,
                   tick: Callable[[str], None], only: Sequence[str],
-                  texts: dict[str, list[TextNLL]] | None = None) -> dict[str, float]:
+                  texts: dict[str, list[TextNLL]] | None = None, journal: Journal | None = None) -> dict[str, float]:
     """Consumer perplexity on the second half of held-out text given each method's state of the first half."""
     from kvstate.lab.workloads.tasks import generate
 
-    rows: dict[str, list[TextNLL]] = {m: [] for m in only}
-    for ex in generate("text", cfg.ppl_length, cfg.ppl_n, cfg.seed + 1, tokenizer) if cfg.ppl_n else []:
-        ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
+    def text(ids: torch.Tensor) -> dict[str, list[float]]:
         cut = ids.shape[1] // 2
+        got = {}
         for m in only:
             if m == "oracle":  # the consumer's own forward over the whole text
-                rows[m].append(continuation_nll(consumer, ids, cut))
+                r = continuation_nll(consumer, ids, cut)
             else:
                 enc, dec = methods[m]
                 cache = dec(Payload.from_bytes(enc(ids[:, :cut]).to_bytes()), ids[0].tolist())
-                rows[m].append(continuation_nll(consumer, ids, cut, cache))
+                r = continuation_nll(consumer, ids, cut, cache)
+            got[m] = [r.nll, r.tokens, r.seconds]
+        return got
+
+    rows: dict[str, list[TextNLL]] = {m: [] for m in only}
+    for i, ex in enumerate(generate("text", cfg.ppl_length, cfg.ppl_n, cfg.seed + 1, tokenizer) if cfg.ppl_n else []):
+        ids = torch.tensor([tokenizer(ex.prompt)["input_ids"]], dtype=torch.long)
+        got = once(journal, f"ppl/{i}", lambda ids=ids: text(ids))
+        for m in only:
+            nll, tokens, seconds = got[m]
+            rows[m].append(TextNLL(float(nll), int(tokens), float(seconds)))
         tick("ppl")
     if texts is not None:  # the caller keeps the per-text NLL (for intervals)
         texts.update(rows)
@@ -266,12 +294,13 @@ def _task_pass(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, layer
 
 
 def _rank_ablation(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
-                   tick: Callable[[str], None]) -> list[dict[str, Any]]:
+                   tick: Callable[[str], None], journal: Journal | None = None) -> list[dict[str, Any]]:
     """Key rank vs value rank: the codec truncated to half its key or value rank (REUSE at every layer)."""
     rk, rv = codec.config.rank_k, codec.config.rank_v
     out = []
     for k, v in dict.fromkeys([(rk, rv), (max(1, rk // 2), rv), (rk, max(1, rv // 2)), (max(1, rk // 2), max(1, rv // 2))]):
-        s, bpt = _task_pass(producer, consumer, tokenizer, codec.truncated(k, v), (), cfg)
+        s, bpt = once(journal, f"ablation/{k}/{v}",
+                      lambda k=k, v=v: list(_task_pass(producer, consumer, tokenizer, codec.truncated(k, v), (), cfg)))
         out.append({"rank_k": k, "rank_v": v, "score": round(s, 4), "payload_bytes_per_token": round(bpt, 2)})
         tick("ablation")
     return out
