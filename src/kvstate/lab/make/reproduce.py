@@ -3,7 +3,8 @@
 Each job is one command that appends a run, with its provenance, to one result file
 (:mod:`kvstate.lab.provenance`). The runner is resumable: a job whose result file is already
 ``current`` (its code and models unchanged since its newest run) is skipped, so an interrupted
-``make reproduce`` continues where it stopped. Before starting it prints the plan with an estimate per
+``make reproduce`` continues where it stopped; the long SEKV and transfer jobs also resume inside
+themselves, from the units their journal recorded (:mod:`kvstate.lab.journal`). Before starting it prints the plan with an estimate per
 job — the wall time recorded by the file's newest run where there is one, else the job's rough estimate
 (from a partial run here where one was made) — and shows a progress bar over the jobs while they run (each job's own output goes to
 its log under ``runs/reproduce/``).
