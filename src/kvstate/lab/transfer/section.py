@@ -47,10 +47,13 @@ class Pair:
     producer: str
     consumer: str
     codec: str
+    pca_codec: str | None = None  # the producer-space PCA codec of the same pair: the reuse_pca_producer ablation
 
     def bench_command(self) -> str:
+        # 25 items x 4 needle tasks = 100 per length; the key-vs-value rank ablation on 13 x 4 = 52 items per point
+        pca = f"--pca-codec models/{self.pca_codec} " if self.pca_codec else ""
         return (f"kvstate transfer bench --producer models/{self.producer} --consumer models/{self.consumer} "
-                f"--codec models/{self.codec} --n 25 --ppl-n 200 --seed 1000 "
+                f"--codec models/{self.codec} {pca}--n 25 --ppl-n 200 --ablation-n 13 --seed 1000 "
                 f"--out models/{self.codec}/{BENCH_FILE}")
 
     def ttft_command(self) -> str:
@@ -61,7 +64,7 @@ class Pair:
 
 # the default pair first: a consumer fine-tuned far enough that raw producer KV hurts it; then the committed,
 # nearly aligned pair (raw reuse barely moves it). A pair whose codec directory is absent is listed, not read.
-SHIFTED = Pair("shifted", "ref-attn", "ref-attn-ft2", "codec-ref-attn-ft2")
+SHIFTED = Pair("shifted", "ref-attn", "ref-attn-ft2", "codec-ref-attn-ft2", "codec-ref-attn-ft2-pca")
 NEAR_ALIGNED = Pair("near-aligned", "ref-attn", "ref-attn-ft", "codec-ref-attn-ft")
 PAIRS = (SHIFTED, NEAR_ALIGNED)
 CODEC, COMMAND = NEAR_ALIGNED.codec, NEAR_ALIGNED.bench_command()  # the pair that exists today
