@@ -28,9 +28,10 @@ from rich.table import Table
 
 from kvstate.lab.cli_output import check_results_out, write_results
 from kvstate.lab.lists import parse_floats, parse_ints, parse_names
-from kvstate.lab.provenance import Recorder
-from kvstate.lab.transfer.methods import served_methods
+from kvstate.lab.provenance import Recorder, read_runs
+from kvstate.lab.transfer.methods import parse_block, served_methods
 from kvstate.lab.transfer.ttft import TTFTConfig, run_ttft
+from kvstate.transfer.codec import Codec
 
 # the source the measurement depends on
 CODE = ("transfer", "models", "lab/netns.py", "lab/transfer/ttft.py", "lab/transfer/methods.py",
@@ -54,6 +55,19 @@ def table(result: dict) -> Table:  # type: ignore[type-arg]
     return t
 
 
+def droidspeak_block(value: str, codec_dir: Path) -> tuple[int, int] | None:
+    """``--droidspeak-block``: ``auto`` reads the block the bench's offline profiling chose for this codec's pair
+    (the newest run of ``CODEC/bench.json``), ``whole`` is every layer, ``A:B`` is given."""
+    if value == "whole":
+        return None
+    if value != "auto":
+        return parse_block(value, Codec.load(codec_dir), "--droidspeak-block")
+    bench = codec_dir / "bench.json"
+    runs = read_runs(bench) if bench.is_file() else []
+    block = runs[-1].get("droidspeak_block") if runs else None
+    return (int(block[0]), int(block[1])) if isinstance(block, list) and len(block) == 2 else None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--producer", type=Path, default=Path("models/ref-attn"))
@@ -68,12 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--unshaped", action="store_true", help="also measure plain loopback (no namespace)")
     ap.add_argument("--out", type=Path, default=None, help="append the run, with its provenance, to this file")
     ap.add_argument("--overwrite", action="store_true", help="start the --out file afresh")
+    ap.add_argument("--droidspeak-block", default="auto", help="DroidSpeak's recomputed layers A:B; 'auto': the block "
+                    "its profiling chose in the codec's bench.json (every layer when there is none); 'whole': every layer")
     args = ap.parse_args(argv)
     rates = () if args.rate == "none" else tuple(parse_floats(args.rate, "--rate", lo=0.0, lo_open=True,
                                                                example="0.1,1,10"))
     cfg = TTFTConfig(rates_gbit=rates, lengths=tuple(parse_ints(args.length, "--length", lo=2, example="1K,4K")),
                      repeats=args.repeats, methods=tuple(parse_names(args.methods, "--methods", served_methods())),
-                     seed=args.seed, unshaped=args.unshaped)
+                     seed=args.seed, unshaped=args.unshaped,
+                     droidspeak_block=droidspeak_block(args.droidspeak_block, args.codec))
     if args.out is not None:
         check_results_out(args.out, overwrite=args.overwrite)
     rec = Recorder(code=CODE, models=[args.producer, args.consumer, args.codec], n=cfg.repeats, seeds=[cfg.seed],

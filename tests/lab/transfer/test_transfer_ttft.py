@@ -97,3 +97,45 @@ def test_generate_falls_back_and_says_so_when_the_producer_is_down(dirs: tuple[P
     assert strict.exit_code != 0 and "cannot reach the producer" in str(strict.exception)
     bad = CliRunner().invoke(app, [*args[:-4], "--method", "zip"])
     assert isinstance(bad.exception, KVStateError) and "--method 'zip'" in str(bad.exception)
+
+
+def test_droidspeak_block_reaches_the_server_and_the_store_key(dirs: tuple[Path, Path, Path], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TTFT bench serves DroidSpeak with the block its profiling chose; payloads of two blocks never share
+    a store key; a bad block or a block for another method is one error naming the option."""
+    from kvstate.lab.transfer import baselines
+    from kvstate.lab.transfer.methods import encoder, parse_block, variant
+    from kvstate.models.loading import load_model
+    from kvstate.transfer.codec import Codec
+
+    p, _, codec_dir = dirs
+    codec = Codec.load(codec_dir)
+    assert parse_block("1:2", codec) == (1, 2) and parse_block(None, codec) is None
+    for bad in ("x", "2:1", "0:99", "1"):
+        with pytest.raises(KVStateError, match="--block"):
+            parse_block(bad, codec)
+    assert variant("droidspeak", (1, 2)) != variant("droidspeak", None) == "droidspeak" == variant("droidspeak", None)
+    assert variant("raw", (1, 2)) == "raw"
+    producer = load_model(p)
+    ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(1))
+    pair, encode = encoder("droidspeak", producer, codec, (1, 2))
+    want = baselines.encode_baseline("droidspeak", producer, ids, pair, (1, 2))
+    assert encode(ids).to_bytes() == want.to_bytes()
+    with pytest.raises(KVStateError, match="--block"):
+        encoder("raw", producer, codec, (1, 2))
+    res = CliRunner().invoke(app, ["transfer", "serve", "--producer", str(p), "--codec", str(codec_dir), "--method",
+                                   "kivi4", "--block", "0:1"])
+    assert isinstance(res.exception, KVStateError) and "--block" in str(res.exception)
+    argvs = []
+
+    class NoProcess:
+        def __init__(self, argv: list[str], **_: object) -> None:
+            argvs.append(argv)
+
+    monkeypatch.setattr(ttft.subprocess, "Popen", NoProcess)
+    spec = {"producer": str(p), "codec": str(codec_dir), "methods": ["droidspeak", "raw"], "lengths": [64],
+            "droidspeak_block": [1, 2]}
+    ttft._start_servers(spec, "memory://", tmp_path)
+    assert argvs[0][-2:] == ["--block", "1:2"] and "--block" not in argvs[1]
+    with pytest.raises(KVStateError, match="droidspeak_block"):
+        TTFTConfig(droidspeak_block=(2, 1))

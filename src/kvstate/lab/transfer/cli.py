@@ -121,12 +121,15 @@ def serve_command(
         "--max-tokens", help="Tokens per request at most (bounds how long one request holds the model).")] = 8192,
     method: Annotated[str, typer.Option("--method", help="What to ship: scd, reuse, or a baseline (raw, raw_fp32, kivi4, kivi2, "
                                         "droidspeak); the consumer passes the same --method.")] = "scd",
+    block: Annotated[str | None, typer.Option(
+        "--block", help="DroidSpeak only: the recomputed layer block A:B (layers A..B-1), e.g. the bench's "
+        "profiled droidspeak_block; default every layer.")] = None,
 ) -> None:
     """Serve SCD (or baseline) payloads of prompt prefixes over TCP until interrupted."""
     import asyncio
 
     from kvstate.lab.harness import load_reference
-    from kvstate.lab.transfer.methods import check_method, encoder
+    from kvstate.lab.transfer.methods import check_method, encoder, parse_block, variant
     from kvstate.transfer.codec import Codec
     from kvstate.transfer.serving import producer_service
     from kvstate.transfer.store import open_store
@@ -136,9 +139,12 @@ def serve_command(
     config = ServerConfig(host=host, port=port, max_tokens=max_tokens)  # bad values fail before the model loads
     check_method(method)
     codec = Codec.load(codec_dir)
+    span = parse_block(block, codec)
+    if span is not None and method != "droidspeak":
+        raise KVStateError(f"--block is DroidSpeak's recomputed layer block; --method {method} takes none")
     model, _ = load_reference(producer)
-    pair, encode = encoder(method, model, codec)
-    service = producer_service(model, codec, open_store(store), encode, pair, variant=method)
+    pair, encode = encoder(method, model, codec, span)
+    service = producer_service(model, codec, open_store(store), encode, pair, variant=variant(method, span))
 
     async def main() -> None:
         server = await start_server(service, config)

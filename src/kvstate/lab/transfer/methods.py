@@ -43,12 +43,37 @@ def whole_stack(codec: Codec) -> tuple[int, int]:
     return 0, codec.geometry.n_layers
 
 
+def parse_block(value: str | None, codec: Codec, option: str = "--block") -> tuple[int, int] | None:
+    """DroidSpeak's block ``A:B`` (layers ``[A, B)``, ``0 <= A < B <= layers``) from an option; ``None`` stays
+    ``None`` (the whole stack)."""
+    if value is None:
+        return None
+    n = codec.geometry.n_layers
+    try:
+        a, b = (int(x) for x in value.split(":"))
+    except ValueError:
+        raise KVStateError(f"{option} {value!r} is not A:B (DroidSpeak recomputes layers A..B-1), e.g. {option} "
+                           f"1:{n}") from None
+    if not 0 <= a < b <= n:
+        raise KVStateError(f"{option} {value!r}: need 0 <= A < B <= {n} (the codec's layers), e.g. {option} 1:{n}")
+    return a, b
+
+
+def variant(method: str, block: tuple[int, int] | None) -> str:
+    """The store's name for what a server ships: the method, and DroidSpeak's block when one is set (payloads
+    of two blocks never share a key)."""
+    return f"{method}.{block[0]}-{block[1]}" if method == "droidspeak" and block is not None else method
+
+
 def encoder(method: str, producer: Any, codec: Codec, block: tuple[int, int] | None = None,
             ) -> tuple[bytes, Callable[[torch.Tensor], Payload]]:
     """(pair, encode ids (1, T) -> payload) of ``method`` on ``producer``; fingerprint checked against ``codec``.
 
-    ``block`` is DroidSpeak's recomputed layer block ``[a, b)`` (default :func:`whole_stack`)."""
+    ``block`` is DroidSpeak's recomputed layer block ``[a, b)`` (default :func:`whole_stack`); another method
+    given a block is refused."""
     check_method(method)
+    if block is not None and method != "droidspeak":
+        raise KVStateError(f"--block is DroidSpeak's recomputed layer block; --method {method} takes none")
     codec.check_models(producer=producer)
     if method in CODEC_METHODS:
         patch = () if method == "reuse" else None

@@ -64,6 +64,7 @@ class TTFTConfig:
     bulk_s: float = 0.5  # seconds of the bulk transfer that measures the achieved rate
     timeout_s: float = 600.0  # per request
     start_timeout_s: float = 300.0  # for the servers to load
+    droidspeak_block: tuple[int, int] | None = None  # its recomputed layers [a, b) (None: every layer)
 
     def __post_init__(self) -> None:
         for r in self.rates_gbit:
@@ -80,6 +81,9 @@ class TTFTConfig:
         check_int("TTFTConfig.seed (--seed)", self.seed, 0, 2**31, error=KVStateError)
         for m in self.methods:
             check_method(m)
+        if self.droidspeak_block is not None and not (
+                len(self.droidspeak_block) == 2 and 0 <= self.droidspeak_block[0] < self.droidspeak_block[1]):
+            raise KVStateError(f"TTFTConfig.droidspeak_block {self.droidspeak_block} must be (a, b) with 0 <= a < b")
         if len(set(self.methods)) != len(self.methods):
             raise KVStateError(f"TTFTConfig.methods {self.methods} repeat a method")
         check_float("TTFTConfig.bulk_s", self.bulk_s, 0.05, 60.0, error=KVStateError)
@@ -175,6 +179,9 @@ def _start_servers(spec: dict[str, Any], store: str, root: Path) -> dict[str, tu
         argv = [sys.executable, "-m", "kvstate.cli", "transfer", "serve", "--producer", spec["producer"], "--codec",
                 spec["codec"], "--method", m, "--port", str(port), "--store", store, "--threads", "1",
                 "--max-tokens", str(max(spec["lengths"]))]
+        if m == "droidspeak" and spec.get("droidspeak_block"):
+            a, b = spec["droidspeak_block"]
+            argv += ["--block", f"{a}:{b}"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env())
         servers[m] = (f"127.0.0.1:{port}", proc, log)
@@ -379,7 +386,8 @@ def run_ttft(cfg: TTFTConfig, producer: str | Path, consumer: str | Path, codec:
     limit = check_positions(cfg.lengths, producer, consumer)
     spec = {"producer": str(producer), "consumer": str(consumer), "codec": str(codec), "methods": list(cfg.method_list),
             "lengths": list(cfg.lengths), "repeats": cfg.repeats, "seed": cfg.seed, "bulk_s": cfg.bulk_s,
-            "timeout_s": cfg.timeout_s, "start_timeout_s": cfg.start_timeout_s}
+            "timeout_s": cfg.timeout_s, "start_timeout_s": cfg.start_timeout_s,
+            "droidspeak_block": list(cfg.droidspeak_block) if cfg.droidspeak_block else None}
     links: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     why = namespace_support() if cfg.rates_gbit else None
@@ -394,6 +402,7 @@ def run_ttft(cfg: TTFTConfig, producer: str | Path, consumer: str | Path, codec:
     rows = rows_from(links, cfg.method_list, cfg.lengths) if links else []
     return {"rows": rows, "skipped": skipped, "config": asdict(cfg), "producer": str(producer),
             "consumer": str(consumer), "codec": str(codec), "max_position_embeddings": limit,
+            "droidspeak_block": spec["droidspeak_block"],
             "links": {k: {x: v[x] for x in ("rate_gbit", "achieved_gbit_s", "bulk_bytes", "qdisc", "store")}
                       for k, v in links.items()},
             "timing": "medians over repeats; cold = producer prefill + encode + wire + consumer decode + first token, "
