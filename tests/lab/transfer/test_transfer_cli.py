@@ -163,3 +163,17 @@ def test_an_interrupted_bench_resumes_from_its_journal(pair_dirs: tuple[Path, Pa
         [{k: v for k, v in r.items() if k not in drop} for r in ref["results"]]
     assert run["provenance"]["parts"] == 2 and run["provenance"]["resumed_units"] == 3  # droidspeak + 2 prompts
     assert not (tmp_path / ".b.json.journal").exists()
+
+
+def test_bench_without_perplexity_prints_strict_json(pair_dirs: tuple[Path, Path], codec_dir: Path) -> None:
+    p, c = pair_dirs
+    res = CliRunner().invoke(app, ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec",
+                                   str(codec_dir), "--n", "1", "--length", "256", "--ppl-n", "0", "--weak-n", "0",
+                                   "--ablation-n", "0", "--no-budget", "--json"])
+    assert res.exit_code == 0, res.output
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} in the JSON")
+
+    out = json.loads(res.output.strip().splitlines()[-1], parse_constant=no_constants)
+    assert out["results"] and all(r["ppl"] is None and r["ppl_ci"] is None for r in out["results"])

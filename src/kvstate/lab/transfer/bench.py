@@ -15,6 +15,7 @@ Time to first token over a link is measured elsewhere (``ttft_ms`` / ``achieved_
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -184,7 +185,7 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
         results.append({"method": m, "length": length, "n": est.n, "score": round(est.value, 4),
                         "score_ci": [round(est.lo, 4), round(est.hi, 4)],
                         "items": [round(float(x), 4) for x in r["score"]],
-                        "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4) if m in ppl else None,
+                        "f1": round(sum(r["f1"]) / len(r["f1"]), 4), "ppl": round(ppl[m], 4) if m in ppl and math.isfinite(ppl[m]) else None,
                         "ppl_ci": ppl_ci.get(m), "ppl_texts": len(ppl_texts.get(m, [])),
                         "payload_bytes_per_token": round(sum(r["bytes"]) / sum(r["tokens"]), 2),
                         "consumer_ms": round(statistics.median(r["ms"]), 3), "ttft_ms": None, "achieved_gbit_s": None,

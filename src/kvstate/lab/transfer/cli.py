@@ -291,7 +291,7 @@ def bench_command(
     for r in result["results"]:
         lo, hi = r["score_ci"]
         table.add_row(r["method"], str(r["length"]), str(r["n"]), f"{r['score']:.3f} [{lo:.3f}, {hi:.3f}]",
-                      f"{r['f1']:.3f}", f"{r['ppl']:.3f}", f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}")
+                      f"{r['f1']:.3f}", "" if r["ppl"] is None else f"{r['ppl']:.3f}", f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}")
     table_console(as_json).print(table)
     if as_json:
         print_json({**result, "provenance": prov})
