@@ -24,12 +24,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# kvpress (the SEKV bench's press baselines) in its own environment: it pins transformers<5.3 and patches attention
+KVPRESS := .venv-kvpress/.installed
+MAKE_KVPRESS := $(BIN)/python -c "from pathlib import Path; from kvstate.lab.semantic.baselines_kvpress import ensure_env; ensure_env(Path('.venv-kvpress'))"
+$(KVPRESS): $(STAMP) src/kvstate/lab/semantic/baselines_kvpress.py
+	$(MAKE_KVPRESS) || { rm -rf .venv-kvpress && $(MAKE_KVPRESS); }
+	touch $(KVPRESS)
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvstate report --out $(OUT)
 
-test: $(STAMP)
+test: $(STAMP) $(KVPRESS)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
@@ -40,7 +47,7 @@ bench: $(STAMP)
 	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
 
 # regenerate every committed result the report reads (not the weights); resumable, prints an estimate first
-reproduce: $(STAMP)
+reproduce: $(STAMP) $(KVPRESS)
 	OMP_NUM_THREADS=1 $(BIN)/kvstate lab reproduce
 
 clean:
