@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.lab.provenance import read_runs
@@ -32,6 +33,17 @@ def _weight_drift(model_dir: Path, base_dir: Path) -> list[tuple[str, float]]:
         d[0] += float((b[name].float() - w.float()).pow(2).sum())
         d[1] += float(w.float().pow(2).sum())
     return [(g, (d[0] / max(d[1], 1e-30)) ** 0.5) for g, d in groups.items()]
+
+
+def _parts(state: dict[str, Any]) -> list[str]:
+    """A fine-tune run in several parts: each part's recorded command (the line above describes the last)."""
+    parts = [c for c in state.get("commands") or [] if isinstance(c, dict) and c.get("command")]
+    if len(parts) < 2:
+        return []
+    lines = [f"Trained in {len(parts)} parts (the settings above are the last part's); each part's recorded command:", ""]
+    lines += [f"{i}. from step {c.get('from_step', '?'):,} (`{c.get('resume', '?')}`): `{c['command']}`"
+              for i, c in enumerate(parts, 1)]
+    return [*lines, ""]
 
 
 def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str | Path | None,
@@ -61,6 +73,7 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
              f"({cfg['warmup_steps']}-step warm-up, linear decay over the last {cfg['decay_fraction']:.0%}), "
              f"loss = {cfg['answer_share']} x answer CE + {1 - cfg['answer_share']:.1f} x prompt CE.", "",
              "Task mix (row shares): " + ", ".join(f"`{k}` {v:g}" for k, v in cfg["task_mix"].items()), "",
+             *_parts(state),
              "```", command, "```", "",
              "Training-batch statistics of the fine-tune (before each update; *exact* = whole answer greedy-correct):", "",
              "| step | minutes | loss | single exact | multikey exact | multivalue first | multiquery first |",
