@@ -33,6 +33,19 @@ def test_dry_run_plans_without_running(capsys):
         R.reproduce(["nope"], dry_run=True)
 
 
+def test_the_plan_says_which_jobs_resume_from_a_journal(monkeypatch, tmp_path):
+    from rich.console import Console
+
+    monkeypatch.setattr(R, "REPO", tmp_path)
+    job = R.Job("semantic:x", "models/m/eval.json", "kvstate semantic eval --out models/m/eval.json", 60.0)
+    monkeypatch.setattr(R, "jobs", lambda: [job])
+    (tmp_path / "models/m").mkdir(parents=True)
+    (tmp_path / "models/m/.eval.json.journal").write_text('{"format": "kvstate-journal/1"}\n{"unit": "a"}\n{"unit": "b"}\n')
+    con = Console(record=True, width=200)
+    assert R.reproduce(["semantic"], dry_run=True, console=con) == [("semantic:x", "planned")]
+    assert "resume (2 units journaled)" in con.export_text()
+
+
 def _state(d, commands, step=100):
     d.mkdir(parents=True, exist_ok=True)
     (d / "training_state.json").write_text(json.dumps({"step": step, "seconds": 60.0, "commands": commands}))

@@ -95,6 +95,17 @@ def _estimate(job: Job) -> tuple[str, float]:
     return art.status, float(recorded) if isinstance(recorded, (int, float)) else job.estimate_s
 
 
+def _journaled(job: Job) -> int:
+    """Units an interrupted run of ``job`` already journaled (:mod:`kvstate.lab.journal`); 0 if none."""
+    from kvstate.lab.journal import journal_path
+
+    path = journal_path(REPO / job.artifact)
+    if not path.is_file():
+        return 0
+    with path.open(encoding="utf-8", errors="replace") as f:
+        return max(0, sum(1 for _ in f) - 1)  # the first line is the run's identity
+
+
 def _fmt(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
 
@@ -116,7 +127,10 @@ def reproduce(only: Sequence[str] = (), *, dry_run: bool = False, force: bool = 
         status, est = _estimate(j)
         run = force or status != "current"
         plan.append((j, run, est))
-        table.add_row(j.name, j.artifact, status, _fmt(est), "run" if run else "skip (current)")
+        done = _journaled(j)
+        action = (f"resume ({done} units journaled)" if done else "run") if run else \
+            "skip (current)"
+        table.add_row(j.name, j.artifact, status, _fmt(est), action)
     con.print(table)
     total = sum(est for _, run, est in plan if run)
     con.print(f"estimated wall time for the jobs to run: {_fmt(total)} (resumable: a finished job is skipped "
@@ -139,7 +153,9 @@ def reproduce(only: Sequence[str] = (), *, dry_run: bool = False, force: bool = 
             progress.update(bar, description=f"{j.name}")
             log = logs / f"{j.name.replace(':', '_')}.log"
             t0 = time.perf_counter()
-            with log.open("w") as f:
+            with log.open("a") as f:  # appended: an interrupted job's earlier parts stay in its log
+                f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {j.command}\n")
+                f.flush()
                 cmd = j.command.replace("python ", f"{shlex.quote(sys.executable)} ", 1) \
                     if j.command.split()[0] in ("python", "OMP_NUM_THREADS=1") else j.command
                 done = subprocess.run(cmd, shell=True, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
