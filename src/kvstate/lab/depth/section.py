@@ -148,9 +148,13 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     c1 = _at(ctl, keep=1.0) if ctl else None
     if r1 and c1:
         inside = [c1[f"{k}_ci"][0] <= r1[k] <= c1[f"{k}_ci"][1] for k in ("ppl", "score")]
+        ep, es = _ppl_vs(r1, c1), _score_vs(r1, c1)
+        paired = "" if ep is None or es is None else (
+            f"; paired R-CLA − control: ppl {ep.value:+.1%} [{ep.lo:+.1%}, {ep.hi:+.1%}] over {ep.n} texts, score "
+            f"{100 * es.value:+.1f} points [{100 * es.lo:+.1f}, {100 * es.hi:+.1f}] over {es.n} items")
         add("R-CLA keep 1 within the no-routing control's interval (ppl and score)",
             f"ppl {r1['ppl']:.3f} vs {c1['ppl']:.3f} [{c1['ppl_ci'][0]:.3f}, {c1['ppl_ci'][1]:.3f}]; score "
-            f"{r1['score']:.3f} vs {c1['score']:.3f} [{c1['score_ci'][0]:.3f}, {c1['score_ci'][1]:.3f}]",
+            f"{r1['score']:.3f} vs {c1['score']:.3f} [{c1['score_ci'][0]:.3f}, {c1['score_ci'][1]:.3f}]{paired}",
             all(inside), (RCLA, CONTROL))
     else:
         add("R-CLA keep 1 within the no-routing control's interval", "missing eval files", None, (RCLA, CONTROL))
