@@ -96,7 +96,7 @@ def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
     card = consumer_card(tmp_path / "ft", tmp_path / "base", tmp_path / "m" / CODEC / "bench.json", "kvstate train ...")
     assert "4 steps, 1.00 M tokens, 2.0 min" in card and "| 12 | 1.5 | 1.250 | 1.00 |" in card
     assert "| **mean score** | **0.800** | **0.500** |" in card and "kvstate train ..." in card
-    assert "| attention q/k/v/o |" in card and "parts" not in card  # one part: no parts list
+    assert "| attention q/k/v/o |" in card and "Trained in" not in card  # one part: no parts list
     state = json.loads((tmp_path / "ft" / "training_state.json").read_text())
     state["commands"] = [{"command": "kvstate train --out a", "resume": "base", "from_step": 10},
                          {"command": "kvstate train --out b", "resume": "a", "from_step": 12}]
