@@ -36,6 +36,10 @@ def test_stale_when_the_code_changes(tmp_path, monkeypatch):
     (src / "axis" / "m.py").write_text("x = 2\n")
     art = P.load_artifact(path, "cmd")
     assert art.status == "stale" and "axis" in art.reason and art.command == "cmd"
+    rec = P.Recorder(code=("axis",))  # the code is edited while the run is under way: its result is stale
+    (src / "axis" / "m.py").write_text("x = 3\n")
+    P.append_run(path, {"v": 2}, rec.finish())
+    assert P.load_artifact(path, "cmd").status == "stale"
 
 
 def test_stale_without_provenance_missing_without_file_and_bad_files_refused(tmp_path):

@@ -130,6 +130,11 @@ class Recorder:
     settings: dict[str, Any] = field(default_factory=dict)  # anything else the run was configured with
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _started: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"), repr=False)
+    _digests: tuple[str, dict[str, str]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # the code and models as the run starts: a file edited while it runs must not pass for what it ran
+        self._digests = (code_digest(self.code), {_repo_relative(m): model_digest(m) for m in self.models})
 
     def finish(self) -> dict[str, Any]:
         argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
@@ -143,8 +148,8 @@ class Recorder:
             "tasks": list(self.tasks),
             "lengths": list(self.lengths),
             "settings": self.settings,
-            "code": {"modules": list(self.code), "digest": code_digest(self.code)},
-            "models": {_repo_relative(m): model_digest(m) for m in self.models},
+            "code": {"modules": list(self.code), "digest": self._digests[0]},
+            "models": dict(self._digests[1]),
             **environment(),
         }
 
