@@ -129,6 +129,20 @@ class Journal:
         return {**provenance, "wall_seconds": round(wall, 1), "parts": self.parts, "resumed_units": self.resumed}
 
 
+def open_journal(result: str | Path | None, settings: dict[str, Any], code: Sequence[str],
+                 models: Sequence[str | Path], say: Callable[[str], None]) -> Journal | None:
+    """The journal of a run recorded to ``result`` (``None`` when nothing is recorded), announced through ``say``:
+    where an earlier part left off, or that another run's journal was moved aside."""
+    if result is None:
+        return None
+    journal = Journal(journal_path(result), identity(settings, code, models))
+    if journal.set_aside is not None:
+        say(f"a journal of another run was moved aside to {journal.set_aside}")
+    if journal.resumed:
+        say(f"resuming: {journal.resumed} units finished by earlier parts ({journal.path})")
+    return journal
+
+
 def once(journal: Journal | None, unit: str, compute: Callable[[], Any]) -> Any:
     """``compute()`` (a JSON value), or the value ``unit`` already has in ``journal``; recorded when computed."""
     if journal is not None:
@@ -141,4 +155,4 @@ def once(journal: Journal | None, unit: str, compute: Callable[[], Any]) -> Any:
     return value
 
 
-__all__ = ["FORMAT", "Journal", "identity", "journal_path", "once"]
+__all__ = ["FORMAT", "Journal", "identity", "journal_path", "once", "open_journal"]

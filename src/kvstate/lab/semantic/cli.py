@@ -111,7 +111,7 @@ def eval_command(
         write_results,
     )
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
-    from kvstate.lab.journal import Journal, identity, journal_path
+    from kvstate.lab.journal import open_journal
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
@@ -173,17 +173,12 @@ def eval_command(
     outcomes, not_run, slow_log = [], [], []
     in_proc = [m for m in chosen if m in IN_PROCESS]
     runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
-    journal = None
-    if save is not None:  # a recorded run is resumable: finished items are journaled beside the result file
-        journal = Journal(journal_path(save), identity(
-            {"model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
-             "lengths": lengths, "n": n, "seed": seed, "recent": recent, "max_span": max_span,
-             "expand_share": expand_share, "slow_budget": slow_budget, "threads": threads},
-            EVAL_CODE, [model, *([rdir] if (rdir / "router.safetensors").is_file() else [])]))
-        if journal.set_aside is not None:
-            console.print(f"[yellow]a journal of another run was moved aside to {journal.set_aside}[/]")
-        if journal.resumed:
-            console.print(f"resuming: {journal.resumed} units finished by earlier parts ({journal.path})")
+    # a recorded run is resumable: finished items are journaled beside the result file
+    journal = open_journal(save, {
+        "model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
+        "lengths": lengths, "n": n, "seed": seed, "recent": recent, "max_span": max_span,
+        "expand_share": expand_share, "slow_budget": slow_budget, "threads": threads},
+        EVAL_CODE, [model, *([rdir] if (rdir / "router.safetensors").is_file() else [])], console.print)
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
         # one prefill per item shared by every run; a run below its method's minimum budget is not run
         got, failed = run_methods(runs, base, tok, items, sekv_router, segment, progress=bar.advance,

@@ -242,7 +242,7 @@ def bench_command(
 
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
-    from kvstate.lab.journal import Journal, identity, journal_path
+    from kvstate.lab.journal import open_journal
     from kvstate.lab.lists import parse_ints
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
@@ -267,13 +267,10 @@ def bench_command(
     pca = Codec.load(pca_codec) if pca_codec is not None else None
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
-    journal = None
-    if out is not None:  # a recorded run is resumable: finished units are journaled beside the result file
-        journal = Journal(journal_path(out), identity({"config": asdict(cfg), "threads": threads, "models": [
-            str(producer), str(consumer), str(codec_dir), str(pca_codec)]}, BENCH_CODE,
-            [producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])]))
-        if journal.resumed:
-            print(f"resuming: {journal.resumed} units finished by earlier parts ({journal.path})", file=sys.stderr)
+    # a recorded run is resumable: finished units are journaled beside the result file
+    journal = open_journal(out, {"config": asdict(cfg), "threads": threads, "models": [
+        str(producer), str(consumer), str(codec_dir), str(pca_codec)]}, BENCH_CODE,
+        [producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])], lambda s: print(s, file=sys.stderr))
     total = 1 + len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + (4 if ablation_n else 0)
     with progress_bar("bench", total, unit="ex") as bar:
         result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()), pca_codec=pca,
