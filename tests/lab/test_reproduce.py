@@ -66,3 +66,19 @@ def test_retrain_replays_into_scratch_and_refuses_unrecorded_runs(tmp_path):
     _state(tmp_path / "mid", [{**cmds[1], "resume": "runs/a2"}])
     with pytest.raises(KVStateError, match="not recorded"):
         T.plan(tmp_path / "mid")
+
+
+def test_only_takes_a_comma_separated_list_or_repeats(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvstate.cli import app
+
+    seen = []
+    monkeypatch.setattr(R, "reproduce", lambda only, **kw: seen.append(list(only)) or [])
+    runner = CliRunner()
+    assert runner.invoke(app, ["lab", "reproduce", "--dry-run", "--only", "depth:ref-attn,transfer"]).exit_code == 0
+    assert runner.invoke(app, ["lab", "reproduce", "--dry-run", "--only", "prefix", "--only", "depth"]).exit_code == 0
+    assert seen == [["depth:ref-attn", "transfer"], ["prefix", "depth"]]
+    bad = runner.invoke(app, ["lab", "reproduce", "--dry-run", "--only", "depth,,prefix"])
+    assert bad.exit_code != 0 and isinstance(bad.exception, KVStateError) and "empty item" in str(bad.exception)
+    assert len(seen) == 2  # refused before any job was planned

@@ -17,14 +17,17 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.command("reproduce")
 def reproduce_command(
-    only: Annotated[list[str] | None, typer.Option("--only", help="A job (e.g. depth:ref-attn-rcla) or an axis.")] = None,
+    only: Annotated[list[str] | None, typer.Option(
+        "--only", help="Jobs (e.g. depth:ref-attn-rcla,transfer:ttft) or axes; comma-separated or repeated.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan and the estimate only.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Also rerun jobs whose result file is current.")] = False,
 ) -> None:
     """Regenerate every stale or missing result file the report reads (resumable; prints an estimate first)."""
+    from kvstate.lab.lists import parse_names
     from kvstate.lab.make.reproduce import reproduce
 
-    reproduce(only or (), dry_run=dry_run, force=force)
+    names = [name for value in only or () for name in parse_names(value, "--only", example="semantic:sweep,transfer")]
+    reproduce(names, dry_run=dry_run, force=force)
 
 
 @app.command("retrain")
