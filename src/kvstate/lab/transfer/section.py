@@ -27,6 +27,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from kvstate.lab import stats
 from kvstate.lab.provenance import Artifact, load_artifact
@@ -224,7 +225,10 @@ def pareto_ttft_figure(pairs: list[tuple[str, dict[str, Any], dict[str, Any]]], 
                 lo, hi = by[m]["ci"]
                 ax.errorbar([t], [s], yerr=[[s - lo], [hi - s]], marker="o", ls="", capsize=2, color=color[m],
                             mfc=color[m] if filled else "none", label=m if filled else None)
-        ax.set_xscale("log")
+        ax.set_xscale("log")  # decades only, labelled in plain ms (minor labels overlap on a short range)
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{label}: {_rate_label(key, ttft.get('links') or {})}", fontsize=8)
         ax.set_xlabel(f"TTFT ms at {length} tokens (filled: cold, open: warm)", fontsize=8)
         ax.set_ylabel("score (needle tasks, 95% CI)", fontsize=8)
