@@ -92,10 +92,15 @@ def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
                               ("ft", 1, {"step": 14, "tokens": 1_000_100, "seconds": 180.0, "curve": [point], "config": cfg})):
         tiny_model("qwen3", seed=seed).save_pretrained(tmp_path / name)
         (tmp_path / name / "training_state.json").write_text(json.dumps(state))
-    _write(tmp_path / "m", _bench(0.78, 200.0, 10.0))
+    bench = _bench(0.78, 200.0, 10.0)
+    for row in bench["results"]:  # one row per method and length: the card shows every length's cells
+        if row["method"] == "oracle" and row["length"] == 2048:
+            row["score"], row["per_task"] = 0.6, {"niah_single@2048": 0.6}
+    _write(tmp_path / "m", bench)
     card = consumer_card(tmp_path / "ft", tmp_path / "base", tmp_path / "m" / CODEC / "bench.json", "kvstate train ...")
     assert "4 steps, 1.00 M tokens, 2.0 min" in card and "| 12 | 1.5 | 1.250 | 1.00 |" in card
-    assert "| **mean score** | **0.800** | **0.500** |" in card and "kvstate train ..." in card
+    assert "| niah_single@1024 | 0.800 | 0.500 |" in card and "| niah_single@2048 | 0.600 | 0.500 |" in card
+    assert "| **mean score** (every length) | **0.700** | **0.500** |" in card and "kvstate train ..." in card
     assert "| attention q/k/v/o |" in card and "Trained in" not in card  # one part: no parts list
     state = json.loads((tmp_path / "ft" / "training_state.json").read_text())
     state["commands"] = [{"command": "kvstate train --out a", "resume": "base", "from_step": 10},

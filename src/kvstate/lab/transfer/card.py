@@ -88,17 +88,24 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
     lines += [f"| {g} | {d:.4f} |" for g, d in _weight_drift(model_dir, base_dir)]
     if bench_json is not None and Path(bench_json).is_file():
         bench = read_runs(bench_json)[-1]
-        by = {r["method"]: r for r in bench["results"]}
-        o, r = by["oracle"], by["raw"]
+        rows: dict[str, list[dict[str, Any]]] = {}  # per method, one row per length
+        for row in bench["results"]:
+            rows.setdefault(row["method"], []).append(row)
+        oracle, raw = rows["oracle"], {row["length"]: row for row in rows["raw"]}
         lines += ["", "## Does raw producer-KV reuse hurt this consumer?", "",
                   f"Measured by `kvstate transfer bench` (n = {bench['config']['n']} per cell, seed "
                   f"{bench['config']['seed']}; `{bench_json}`): the consumer decoding from its own prefill "
                   "(*oracle*) vs from the producer's fp16 KV (*raw*).", "",
                   "| cell | oracle | raw reuse |", "|---|---:|---:|"]
-        lines += [f"| {k} | {v:.3f} | {r['per_task'].get(k, float('nan')):.3f} |" for k, v in o["per_task"].items()]
-        lines += [f"| **mean score** | **{o['score']:.3f}** | **{r['score']:.3f}** |",
-                  f"| perplexity (2nd half of held-out text) | {o['ppl']:.3f} | {r['ppl']:.3f} |"]
-        lines += [f"| {k} (weak task) | {v:.3f} | {r['weak_tasks'].get(k, float('nan')):.3f} |"
+        nan = float("nan")
+        lines += [f"| {k} | {v:.3f} | {raw.get(o['length'], {}).get('per_task', {}).get(k, nan):.3f} |"
+                  for o in oracle for k, v in o["per_task"].items()]
+        o, r = oracle[0], raw.get(oracle[0]["length"], {})
+        mean_o = sum(x["score"] for x in oracle) / len(oracle)  # the lengths hold the same number of items
+        mean_r = sum(x["score"] for x in raw.values()) / max(len(raw), 1)
+        lines += [f"| **mean score** (every length) | **{mean_o:.3f}** | **{mean_r:.3f}** |",
+                  f"| perplexity (2nd half of held-out text) | {o['ppl']:.3f} | {r.get('ppl', nan):.3f} |"]
+        lines += [f"| {k} (weak task) | {v:.3f} | {r.get('weak_tasks', {}).get(k, nan):.3f} |"
                   for k, v in o["weak_tasks"].items()]
         d = bench.get("drift") or {}
         if d.get("raw_drift_k"):
