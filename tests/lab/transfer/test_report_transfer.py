@@ -53,6 +53,35 @@ def test_targets_met_and_missed_follow_the_numbers(tmp_path: Path) -> None:
     assert [h.met for h in sec.headline[:3]] == [True, False, False]
 
 
+def _with_items(bench: dict, ones: dict[str, int], n: int = 40) -> dict:
+    """Per-item scores on the same n items per length: method m solves the first ones[m] of them."""
+    for row in bench["results"]:
+        k = ones.get(row["method"], n // 2)
+        row["items"] = [1.0] * k + [0.0] * (n - k)
+        row["score"] = k / n
+    return bench
+
+
+def test_reuse_between_raw_and_scd_and_patch_monotone_are_decided_on_paired_items(tmp_path: Path) -> None:
+    def rows(ones: dict[str, int]) -> dict[str, object]:
+        bench = _with_items(_bench(0.78, 200.0, 10.0), ones)
+        _write(tmp_path / "m", bench)
+        sec = build(tmp_path / "out", tmp_path / "m")
+        return {h.target.split("] ")[-1].split(" (")[0]: h for h in sec.headline
+                if "REUSE alone" in h.target or "PATCH" in h.target}
+
+    got = rows({"raw": 10, "reuse": 20, "scd": 30, "scd_k1": 31, "oracle": 32})
+    assert got["REUSE alone between raw and SCD"].status == "met"  # both steps up, intervals above zero
+    assert got["PATCH quality non-decreasing in k within intervals"].status == "met"
+    assert "k=0 0.500, k=1 0.775" in got["PATCH quality non-decreasing in k within intervals"].measured
+    got = rows({"raw": 30, "reuse": 20, "scd": 30, "scd_k1": 2, "oracle": 32})
+    assert got["REUSE alone between raw and SCD"].status == "missed"  # REUSE below raw
+    assert got["PATCH quality non-decreasing in k within intervals"].status == "missed"  # k = 1 below k = 0 (REUSE)
+    got = rows({"raw": 20, "reuse": 20, "scd": 20, "scd_k1": 20, "oracle": 32})
+    assert got["REUSE alone between raw and SCD"].status == "met"  # level on every item: raw <= REUSE <= SCD holds
+    assert got["PATCH quality non-decreasing in k within intervals"].status == "met"  # no step down
+
+
 def test_a_file_without_provenance_or_with_a_changed_model_is_stale(tmp_path: Path) -> None:
     _write(tmp_path / "m", _bench(scd_score=0.78, scd_bytes=200.0, scd_ms=10.0), provenance=False)
     sec = build(tmp_path / "out", tmp_path / "m")

@@ -19,6 +19,7 @@ marks its rows so and names the command that regenerates it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,47 @@ def targets(bench: dict[str, Any], art: Artifact, label: str = "") -> list[Headl
         _paired(art, f"{tag}SCD score >= 95% of the oracle's (paired interval of SCD - 0.95 x oracle)", s, o, 0.95, True),
         artifact_row(art, TECHNIQUE, f"{tag}payload >= 8x smaller than fp16 raw KV",
                      f"{shrink:.2f}x ({bpt:.0f} vs {bench['fp16_raw_kv_bytes_per_token']} B/token)", bool(shrink >= 8)),
+        *_between(art, tag, by), *_monotone(art, tag, by, bench.get("patch_budget") or []),
     ]
+
+
+def _steps(by: dict[str, dict[str, Any]], chain: list[str]) -> list[Any] | None:
+    """Paired differences (next - previous) along ``chain`` of methods, or None without per-item scores."""
+    if any(m not in by or not by[m]["items"] or len(by[m]["items"]) != len(by[chain[0]]["items"]) for m in chain):
+        return None
+    return [stats.paired_difference(by[b]["items"], by[a]["items"]) for a, b in itertools.pairwise(chain)]
+
+
+def _between(art: Artifact, tag: str, by: dict[str, dict[str, Any]]) -> list[HeadlineRow]:
+    """REUSE alone between raw and SCD: ``raw <= reuse <= scd`` by the paired intervals of both steps."""
+    d = _steps(by, ["raw", "reuse", "scd"])
+    if d is None:
+        return []
+    status = ("missed" if any(stats.decide(x.lo, x.hi, 0.0) == "missed" for x in d)
+              else "met" if all(stats.decide(x.lo, x.hi, 0.0) == "met" for x in d) else "undecided")
+    shown = (f"raw {by['raw']['score']:.3f}, REUSE {by['reuse']['score']:.3f}, SCD {by['scd']['score']:.3f}; "
+             f"REUSE - raw {d[0].value:+.3f} [{d[0].lo:+.3f}, {d[0].hi:+.3f}], SCD - REUSE {d[1].value:+.3f} "
+             f"[{d[1].lo:+.3f}, {d[1].hi:+.3f}] (n = {d[0].n})")
+    w = min(d, key=lambda x: x.hi)  # the step closer to failing carries the interval
+    return [artifact_row(art, TECHNIQUE, f"{tag}REUSE alone between raw and SCD (paired intervals of both steps)",
+                         shown, status=status, ci=(w.lo, w.hi), rate=True)]
+
+
+def _monotone(art: Artifact, tag: str, by: dict[str, dict[str, Any]],
+              budget: list[dict[str, Any]]) -> list[HeadlineRow]:
+    """PATCH budget: quality non-decreasing in k within intervals — missed when a step's paired interval
+    lies wholly below zero."""
+    chain = [b["method"] for b in sorted(budget, key=lambda b: b["k"])]
+    d = _steps(by, chain) if len(chain) > 1 else None
+    if d is None:
+        return []
+    worst = min(range(len(d)), key=lambda i: d[i].hi)
+    drops = [i for i, x in enumerate(d) if stats.decide(x.lo, x.hi, 0.0) == "missed"]
+    shown = (", ".join(f"k={i} {by[m]['score']:.3f}" for i, m in enumerate(chain)) +
+             f"; weakest step k={worst}->{worst + 1} {d[worst].value:+.3f} [{d[worst].lo:+.3f}, {d[worst].hi:+.3f}] "
+             f"(n = {d[worst].n})")
+    return [artifact_row(art, TECHNIQUE, f"{tag}PATCH quality non-decreasing in k within intervals", shown,
+                         status="missed" if drops else "met", ci=(d[worst].lo, d[worst].hi), rate=True)]
 
 
 def notes(bench: dict[str, Any], label: str = "") -> list[str]:
