@@ -30,6 +30,14 @@ def test_train_router_freezes_base_and_round_trips(tmp_path):
     assert json.loads((tmp_path / "r" / "manifest.json").read_text())["fingerprint"] == model_fingerprint(model)
     card = write_card(tmp_path / "r", tmp_path / "base").read_text()
     assert f"{manifest['trainable_parameters']:,}" in card and "| 3 |" in card
+    from kvstate.lab.provenance import Recorder, append_run  # an evaluation run: the card quotes its command
+
+    row = {"method": "full", "budget": 1.0, "task": "niah_single", "length": 96, "n": 1, "score": 1.0,
+           "score_ci": [0.2, 1.0], "decode_ms_per_token": 1.0}
+    append_run(tmp_path / "r" / "eval.json", {"results": [row]},
+               Recorder(code=("semantic",), command="kvstate semantic eval --model m").finish())
+    card = write_card(tmp_path / "r", tmp_path / "base").read_text()
+    assert "Command: `kvstate semantic eval --model m`" in card and "| full | 1.0 | niah_single | 96 |" in card
 
 
 def test_train_config_out_of_range():

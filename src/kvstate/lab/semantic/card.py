@@ -64,7 +64,8 @@ def render_card(model_dir: Path, manifest: dict[str, Any], evaluation: dict[str,
         "```",
     ]
     if evaluation is not None:
-        lines += ["", "## Evaluation (`eval.json`)", "", f"Command: `{evaluation.get('command', '')}`", "",
+        command = evaluation.get("command") or (evaluation.get("provenance") or {}).get("command", "")
+        lines += ["", "## Evaluation (`eval.json`)", "", f"Command: `{command}`", "",
                   "Scores are accuracies, except task `ppl`: held-out perplexity (compress the context, then continue; "
                   "lower is better).", "",
                   "| method | budget | task | length | n | score | 95% CI | resident | total | attended peak | full | "
