@@ -243,10 +243,12 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     title = "Resolution: SEKV, the resolution-adaptive semantic KV cache"
     art = load_artifact(models_dir / "ref-attn-sekv" / "eval.json", EVAL_COMMAND)
     rows = _new_rows(art.run)
-    if not rows:
+    if not rows:  # the headline file is missing or predates byte counts: the other files still show
         why = "No results" if art.run is None else "No results with byte counts (resident / total / attended)"
+        hybrid_tables, hybrid_head = _hybrid(models_dir)
         return Section("semantic", title, paper=PAPER, intro=f"{why} in {art.path}; run `{EVAL_COMMAND}`.",
-                       headline=[artifact_row(art, TECH, "SEKV benchmark at equal bytes", "")])
+                       tables=_ppl(models_dir) + hybrid_tables,
+                       headline=[artifact_row(art, TECH, "SEKV benchmark at equal bytes", ""), *hybrid_head])
     run = art.run
     solved = _solved(run)
     length = HEAD_LENGTH if any(r["length"] == HEAD_LENGTH for r in rows) else max(r["length"] for r in rows)
