@@ -1,0 +1,137 @@
+"""Why SEKV misses the needle: where its learned routing ranks the needle's span, against key bounds.
+
+A dev-seed probe for "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory"
+(``docs/techniques.md#resolution``). For each ``niah_single`` item it compresses the context as the bench's
+``sekv`` method does, feeds the question once, and records, at every attention layer of that pass, the
+spans the router scored and the ones the budget let it expand. The needle's span(s) — those holding a
+token of the asked value — are then ranked three ways over the same spans and the same last-token query:
+the learned relevance (what SEKV uses), the Quest bound ``sum_d max(q_d min_d, q_d max_d)`` of each span's
+raw keys (what the Quest-like baseline uses over pages) and ``q . mean key`` (SentenceKV-like). Printed per
+layer: how often the needle was in an anchor, how often a needle span was expanded, and its median rank
+and top-k hit rate under each score. Run on dev seeds only::
+
+    python -m kvstate.lab.semantic.route_probe --model models/ref-attn --router models/ref-attn-sekv \\
+        --length 2048 --budget 0.125 --n 20 --seed 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstate.lab.harness import load_reference
+from kvstate.lab.protocol import DEV_SEEDS
+from kvstate.lab.semantic.bench import compressed_cache, prefill
+from kvstate.lab.semantic.protocol import build_items
+from kvstate.semantic import SegmentConfig, SemanticRouter, semantic_attention
+from kvstate.semantic.store import SpanStore
+
+
+def _needle(item: Any, tokenizer: Any) -> set[int]:
+    """Context positions of the asked value's tokens (its last occurrence: the needle)."""
+    ans = list(tokenizer(" " + item.answers[0][0], add_special_tokens=False)["input_ids"])
+    ctx = item.context
+    hits = [i for i in range(len(ctx) - len(ans) + 1) if ctx[i:i + len(ans)] == ans]
+    return set(range(hits[-1], hits[-1] + len(ans))) if hits else set()
+
+
+def _ranks(score: torch.Tensor, targets: list[int]) -> int:
+    """Best (0-based) rank among ``targets`` of a (S,) score, higher first."""
+    order = torch.argsort(score, descending=True).tolist()
+    return min(order.index(t) for t in targets)
+
+
+def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, seed: int,
+          recent: int = 16, max_span: int = 32) -> dict[str, Any]:
+    model, tokenizer = load_reference(model_dir)
+    model.eval()
+    router = SemanticRouter.load(router_dir, model)
+    segment = SegmentConfig(recent=recent, max_span=max_span)
+    items = build_items(tokenizer, "niah_single", length, n, seed)
+    calls: list[dict[str, Any]] = []
+    decide, select = SpanStore.decide, SpanStore.select
+
+    def rec_decide(self: SpanStore, query: torch.Tensor, scaling: float, router: Any, layer: int, zoom: Any) -> Any:
+        want, score = decide(self, query, scaling, router, layer, zoom)
+        calls.append({"layer": layer, "store": self, "query": query, "scaling": scaling, "score": score})
+        return want, score
+
+    def rec_select(self: SpanStore, want: torch.Tensor, score: torch.Tensor, allowance: int | None) -> torch.Tensor:
+        chosen = select(self, want, score, allowance)
+        calls[-1]["chosen"] = chosen
+        return chosen
+
+    per: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    SpanStore.decide, SpanStore.select = rec_decide, rec_select  # type: ignore[method-assign]
+    try:
+        for it in items:
+            pre = prefill(model, it)
+            raw = {i: layer.keys for i, layer in enumerate(pre.cache.layers) if getattr(layer, "keys", None) is not None}
+            cache = compressed_cache("sekv", model, tokenizer, it, budget, router, segment, prefilled=pre)
+            needle = _needle(it, tokenizer)
+            seg = cache.segmentation
+            spans = [(int(a), int(b)) for a, b in seg.spans]
+            target = [s for s, (a, b) in enumerate(spans) if needle & set(range(a, b))]
+            anchored = bool(needle) and needle <= {int(a) for a in seg.anchors}
+            calls.clear()
+            work = cache.fork()
+            q = torch.tensor([it.questions[0]])
+            t0 = len(it.context)
+            with torch.no_grad(), semantic_attention(model):
+                model(input_ids=q, position_ids=torch.arange(t0, t0 + q.shape[1])[None], cache=work, use_cache=True)
+            for c in calls:
+                L, st = c["layer"], c["store"]
+                stats = per[L]
+                stats["anchored"].append(float(anchored))
+                if not target or st.n_spans != len(spans):
+                    continue
+                keys = raw[L][0]  # (H, T, D) post-rotary keys of the context
+                h, d = keys.shape[0], keys.shape[2]
+                qg = c["query"].reshape(h, -1, d).float()  # (H, g, D) the last token's query per KV head
+                lo = torch.stack([keys[:, a:b].amin(1) for a, b in spans], 1).float()  # (H, S, D)
+                hi = torch.stack([keys[:, a:b].amax(1) for a, b in spans], 1).float()
+                bound = torch.maximum(qg[:, :, None, :] * lo[:, None], qg[:, :, None, :] * hi[:, None]).sum(-1)
+                mean = torch.stack([keys[:, a:b].mean(1) for a, b in spans], 1).float()
+                sim = torch.einsum("hgd,hsd->hgs", qg, mean)
+                scores = {"learned": c["score"].amax(0), "bounds": bound.amax(1).amax(0), "mean_key": sim.amax(1).amax(0)}
+                stats["expanded"].append(float(bool(c["chosen"][target].any())))
+                stats["n_chosen"].append(float(c["chosen"].sum()))
+                stats["n_spans"].append(float(len(spans)))
+                for name, s in scores.items():
+                    r = _ranks(s, target)
+                    stats[f"rank_{name}"].append(float(r))
+                    stats[f"top2_{name}"].append(float(r < 2))
+    finally:
+        SpanStore.decide, SpanStore.select = decide, select  # type: ignore[method-assign]
+    layers = {L: {k: round(float(np.median(v)) if k.startswith(("rank_", "n_")) else float(np.mean(v)), 3)
+                  for k, v in s.items() if v} for L, s in sorted(per.items())}  # ranks / counts: medians; rates: means
+    return {"model": model_dir, "router": router_dir, "length": length, "budget": budget, "n": n, "seed": seed,
+            "layers": layers}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/ref-attn")
+    ap.add_argument("--router", default="models/ref-attn-sekv")
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--budget", type=float, default=0.125)
+    ap.add_argument("--n", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=DEV_SEEDS[0])
+    a = ap.parse_args(argv)
+    if a.seed not in DEV_SEEDS:
+        sys.exit(f"--seed {a.seed}: this probe tunes nothing but reads items; use a dev seed {list(DEV_SEEDS)}")
+    torch.set_num_threads(1)
+    res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed)
+    for L, row in res["layers"].items():
+        print(f"layer {L}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
