@@ -7,7 +7,8 @@ Each job is one command that appends a run, with its provenance, to one result f
 themselves, from the units their journal recorded (:mod:`kvstate.lab.journal`). Before starting it prints the plan with an estimate per
 job — the wall time recorded by the file's newest run where there is one, else the job's rough estimate
 (from a partial run here where one was made) — and shows a progress bar over the jobs while they run (each job's own output goes to
-its log under ``runs/reproduce/``).
+its log under ``runs/reproduce/``). Each job runs in its own process group (:mod:`kvstate.lab.child`): a SIGINT or
+SIGTERM to the runner stops the job's processes too before the runner exits with 130.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kvstate.errors import KVStateError
+from kvstate.lab.child import run_job
 from kvstate.lab.provenance import REPO, load_artifact
 
 if TYPE_CHECKING:
@@ -158,8 +160,8 @@ def reproduce(only: Sequence[str] = (), *, dry_run: bool = False, force: bool = 
                 f.flush()
                 cmd = j.command.replace("python ", f"{shlex.quote(sys.executable)} ", 1) \
                     if j.command.split()[0] in ("python", "OMP_NUM_THREADS=1") else j.command
-                done = subprocess.run(cmd, shell=True, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-            outcomes.append((j.name, "done" if done.returncode == 0 else f"failed (exit {done.returncode}; see {log})"))
+                code = run_job(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+            outcomes.append((j.name, "done" if code == 0 else f"failed (exit {code}; see {log})"))
             progress.update(bar, advance=est)
             con.print(f"{j.name}: {outcomes[-1][1]} in {_fmt(time.perf_counter() - t0)}")
     failed = [name for name, o in outcomes if o.startswith("failed")]

@@ -7,7 +7,8 @@ original output path in each command is replaced by the scratch one, so a resume
 replayed run. A run whose first recorded part did not start from step 0 of a fresh model nor from
 another committed model (parts trained before commands were recorded) cannot be replayed exactly;
 that is refused with the reason. Replays take as long as the original parts (hours for the reference
-models on 2 cores); each part is itself resumable.
+models on 2 cores); each part is itself resumable. Each part runs in its own process group
+(:mod:`kvstate.lab.child`): a SIGINT or SIGTERM to the replay stops the part's processes too.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvstate.errors import KVStateError
+from kvstate.lab.child import run_job
 from kvstate.lab.provenance import REPO
 
 
@@ -81,9 +82,9 @@ def retrain(model_dir: str | Path, *, scratch: str | Path | None = None, dry_run
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}
     for i, p in enumerate(parts, 1):
         con.print(f"part {i}/{len(parts)}: {p.replay}")
-        done = subprocess.run(p.replay, shell=True, cwd=REPO, env=env)
-        if done.returncode != 0:
-            raise KVStateError(f"retrain {model_dir}: part {i} failed (exit {done.returncode}); fix it and run the "
+        code = run_job(p.replay, cwd=REPO, env=env)
+        if code != 0:
+            raise KVStateError(f"retrain {model_dir}: part {i} failed (exit {code}); fix it and run the "
                                f"same command with --resume, or kvstate lab retrain again")
     return parts
 
