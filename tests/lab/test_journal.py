@@ -56,3 +56,16 @@ def test_a_journal_of_another_run_is_set_aside_never_mixed_in(tmp_path):
     garbage = tmp_path / ".g.journal"
     garbage.write_text("not json\n")
     assert Journal(garbage, _ident(n=1)).set_aside is not None
+
+
+def test_a_journal_set_aside_twice_keeps_both(tmp_path):
+    path = tmp_path / ".r.journal"
+    kept = []
+    for n in (1, 2, 3):
+        j = Journal(path, _ident(n=n))
+        j.put(f"unit{n}", n)
+        j.close(remove=False)
+        other = Journal(path, _ident(n=0))  # another run: the journal of run n is set aside
+        kept.append(other.set_aside)
+    assert len(set(kept)) == 3 and all(p is not None and p.is_file() for p in kept)
+    assert [json.loads(p.read_text().splitlines()[1])["records"] for p in kept] == [1, 2, 3]

@@ -10,7 +10,8 @@ resumed (``parts``) and sums the wall time of every part.
 
 The journal's first line is the run's *identity* — its settings plus the digests of the code and models
 it depends on (:mod:`kvstate.lab.provenance`). A journal whose identity differs from this run's (other
-settings, changed code or weights) is never mixed in: it is moved aside as ``*.stale`` and the run starts
+settings, changed code or weights) is never mixed in: it is moved aside as ``*.stale`` (``*.stale.1``,
+``*.stale.2``, ... when that name is taken: a set-aside journal is never overwritten) and the run starts
 afresh. A line cut short by a kill is dropped on read. When the result has been written, :meth:`close`
 removes the journal.
 
@@ -21,6 +22,7 @@ ignore it. Ignored: two processes journaling the same run at once (the second on
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -44,6 +46,22 @@ def identity(settings: dict[str, Any], code: Sequence[str], models: Sequence[str
     (paths under ``src/kvstate``) and the digest of every model directory read."""
     return {"settings": json.loads(json.dumps(settings, sort_keys=True, default=str)),
             "code": code_digest(code), "models": {str(m): model_digest(m) for m in models}}
+
+
+def _set_aside(path: Path) -> Path:
+    """Move ``path`` to the first of ``<name>.stale``, ``<name>.stale.1``, ... that does not exist yet; returns it.
+
+    A hard link fails when its name exists, so no earlier set-aside journal is ever overwritten, and the
+    journal is under one of its two names at every moment."""
+    for n in itertools.count():
+        target = path.with_name(path.name + ".stale" + (f".{n}" if n else ""))
+        try:
+            os.link(path, target)
+        except FileExistsError:
+            continue
+        path.unlink()
+        return target
+    raise AssertionError("unreachable")
 
 
 class Journal:
@@ -72,8 +90,7 @@ class Journal:
         except json.JSONDecodeError:
             head = {}
         if not (isinstance(head, dict) and head.get("format") == FORMAT and head.get("key") == self.key):
-            self.set_aside = self.path.with_name(self.path.name + ".stale")
-            os.replace(self.path, self.set_aside)
+            self.set_aside = _set_aside(self.path)
             return
         parts = {int(head.get("part", 1))}
         for line in lines[1:]:
