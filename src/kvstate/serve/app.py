@@ -1,8 +1,11 @@
 """The FastAPI application: OpenAI's completions and chat completions over one model, plus health and metrics.
 
-Handlers parse and check a request on the event loop (tokenize, render the chat template, check token
-ids, lengths against the model's positions and the cache's budget), then hand a
-:class:`GenerationRequest` to the :class:`Scheduler`; a full queue is a 503 at once. A non-streaming
+A request body over ``--max-body-bytes`` is answered 413 before it is read in full (:class:`BodyLimit`, a
+pure ASGI middleware: the declared Content-Length is checked first, a chunked body is counted as it
+arrives). Handlers refuse at once (503) when the queue is full, then check the request in a worker thread
+off the event loop (tokenize, render the chat template, check token ids, lengths against the model's
+positions and the cache's budget), so ``/health`` and other clients' streams keep answering while a long
+prompt is tokenized; then they hand a :class:`GenerationRequest` to the :class:`Scheduler`. A non-streaming
 handler waits for the worker's result (polling for a client that went away); a streaming one forwards
 each text delta as a server-sent event in OpenAI's chunk format and ends with ``data: [DONE]``. A client
 that disconnects cancels its job (it stops at the next token and inserts nothing). Every refusal is
@@ -25,7 +28,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvstate.errors import KVStateError
 from kvstate.prefix.config import PrefixCacheConfig
@@ -73,6 +78,51 @@ def _worker_error(exc: BaseException) -> RequestError:
     log.error("generation failed", exc_info=exc)
     return RequestError(f"generation failed ({type(exc).__name__}: {exc}); the server keeps serving",
                         status=500, kind="server_error")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes is answered 413 (OpenAI's error object) before it is
+    read in full — a declared Content-Length at once, a chunked body as soon as its count passes the limit — and
+    the connection is closed, so a huge body costs neither memory nor the event loop's time."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        parts: list[bytes] = []
+        size, first = 0, None
+        while True:  # the body is read here, counted, and handed on in one message
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away mid-body
+                first = message
+                break
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        pending: list[Message] = [first or {"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = (f"the request body is over {self.limit:,} bytes (--max-body-bytes {self.limit}); send a shorter "
+                   "prompt, or start the server with a larger --max-body-bytes")
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"),
+                                status_code=413, headers={"Connection": "close"})
+        await response(scope, receive, send)
 
 
 class _Handlers:
@@ -159,6 +209,17 @@ class _Handlers:
         return GenerationRequest(tuple(ids), max_tokens, stops, tuple(ends))
 
     # -- hand-off ----------------------------------------------------------------------------------
+    def check_room(self) -> None:
+        """A 503 at once when every queue slot is taken (checked before tokenizing a request that would be refused)."""
+        try:
+            self.scheduler.check_room()
+        except QueueFull as exc:
+            raise self._busy(exc) from None
+
+    def _busy(self, exc: QueueFull) -> RequestError:
+        self.counters.outcome("queue_full")
+        return RequestError(str(exc), status=503, kind="server_error", code="queue_full")
+
     def _work(self, gr: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Generation:
         g = self.gen.run(gr, emit, cancelled)
         self.counters.generation(g)
@@ -167,9 +228,8 @@ class _Handlers:
     def submit(self, gr: GenerationRequest) -> Job:
         try:
             return self.scheduler.submit(partial(self._work, gr))
-        except QueueFull as exc:
-            self.counters.outcome("queue_full")
-            raise RequestError(str(exc), status=503, kind="server_error", code="queue_full") from None
+        except QueueFull as exc:  # filled up while this request was checked
+            raise self._busy(exc) from None
 
     async def result(self, request: Request, job: Job) -> Generation:
         try:
@@ -239,6 +299,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
             scheduler.stop()
 
     app = FastAPI(title="kvstate serve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     app.state.generator, app.state.scheduler, app.state.counters = generator, scheduler, counters
 
     def refuse(exc: RequestError) -> JSONResponse:
@@ -284,7 +345,8 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        job = h.submit(h.completion(body))
+        h.check_room()
+        job = h.submit(await run_in_threadpool(h.completion, body))
         if body.stream:
             top = head("text_completion")
 
@@ -302,7 +364,8 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
-        job = h.submit(h.chat(body))
+        h.check_room()
+        job = h.submit(await run_in_threadpool(h.chat, body))
         if body.stream:
             top = head("chat.completion.chunk")
 

@@ -15,6 +15,8 @@ def serve_command(
     budget_bytes: Annotated[int, typer.Option("--budget-bytes", min=1, help="Prefix cache byte budget.")] = 1 << 30,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Serve without the prefix cache (to compare).")] = False,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait; more get 503.")] = 8,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body accepted; a "
+                                                "larger one gets 413 before it is read.")] = 4 << 20,
     served_name: Annotated[str | None, typer.Option("--served-model-name",
                                                     help="Model name clients pass (default: the directory's name).")] = None,
     remote: Annotated[str | None, typer.Option("--remote", help="A shared prefix tier for replicas, "
@@ -30,5 +32,6 @@ def serve_command(
         budget_bytes=None if no_cache else budget_bytes,
         max_queue=max_queue,
         remote=remote,
+        max_body_bytes=max_body_bytes,
     )
     run(model, config, host=host, port=port)

@@ -1,5 +1,5 @@
-"""The server's one configuration (pure): model name, prefix-cache budget and shared tier, queue bound, default
-reply length."""
+"""The server's one configuration (pure): model name, prefix-cache budget and shared tier, queue bound, request
+body limit, default reply length."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class ServeConfig:
     default_max_tokens: int = 256  # a chat request without max_tokens (completions default to 16, as OpenAI's)
     chat_template: str | None = None  # a Jinja chat template overriding the tokenizer's (and the default)
     remote: str | None = None  # the prefix cache's shared tier, "redis://host:port/db" (replicas share prefixes)
+    max_body_bytes: int = 4 << 20  # a request body over this is answered 413 before it is read in full
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -30,6 +31,8 @@ class ServeConfig:
                 raise KVStateError("remote: a shared tier needs the prefix cache; drop --no-cache or --remote")
             check_remote_url(self.remote)
         check_int("max_queue", self.max_queue, 1, 1 << 20, error=KVStateError)
+        check_int("max_body_bytes", self.max_body_bytes, 1, 1 << 40, error=KVStateError,
+                  hint="; pass the largest request body to accept, in bytes")
         check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
 
     @property

@@ -84,15 +84,23 @@ class Scheduler:
             job.post("error", KVStateError("the server is shutting down; retry against a running server"))
             job.finished.set()
 
+    def check_room(self) -> None:
+        """:class:`QueueFull` when ``max_queue`` jobs already wait (a request can be refused before it is checked)."""
+        if self._queue.full():
+            raise self._full()
+
     def submit(self, work: Work) -> Job:
         """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait."""
         job = Job(work, asyncio.get_running_loop())
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise QueueFull(f"the server is busy: {self.max_queue} requests already wait (--max-queue "
-                            f"{self.max_queue}); retry later") from None
+            raise self._full() from None
         return job
+
+    def _full(self) -> QueueFull:
+        return QueueFull(f"the server is busy: {self.max_queue} requests already wait (--max-queue {self.max_queue}); "
+                         "retry later")
 
     def _loop(self) -> None:
         while not self._stop.is_set():

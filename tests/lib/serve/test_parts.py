@@ -104,7 +104,8 @@ def test_a_cancelled_request_inserts_nothing(tiny: tuple[Any, Any]) -> None:
 
 
 @pytest.mark.parametrize("kw", [{"model_id": ""}, {"model_id": "m", "max_queue": 0},
-                                {"model_id": "m", "budget_bytes": 0}, {"model_id": "m", "default_max_tokens": True}])
+                                {"model_id": "m", "budget_bytes": 0}, {"model_id": "m", "default_max_tokens": True},
+                                {"model_id": "m", "max_body_bytes": 0}])
 def test_config_refuses_bad_values(kw: dict[str, Any]) -> None:
     with pytest.raises(KVStateError):
         ServeConfig(**kw)
