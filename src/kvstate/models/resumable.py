@@ -18,6 +18,10 @@ the two properties ``generate`` reads, and nothing else changes:
   dynamic, non-offloaded cache of a model without attention layers.
 - ``is_compileable`` is False: it is a dynamic cache (``generate`` would otherwise auto-compile a
   pure-linear cache whose type is not exactly ``DynamicCache``).
+
+``origin`` names the model that filled the cache (its :func:`~kvstate.models.model_fingerprint`) when the
+builder knows it — the prefix cache tags every cache it hands out — so a store can refuse a same-shape
+cache another model computed. ``generate`` advances the same object, so the tag stays with it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class ResumableCache(DynamicCache):
     def __init__(self, config: Any) -> None:
         super().__init__(config=config)
         self._covered = 0
+        self.origin: str | None = None  # fingerprint of the model that filled it (None: not recorded)
         self._fingerprint: torch.Tensor | None = None  # first recurrent layer's conv state at seal time
         self._recurrent_only = bool(self.layers) and all(
             isinstance(layer, LinearAttentionCacheLayerMixin) and not isinstance(layer, CacheLayerMixin)

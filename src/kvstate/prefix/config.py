@@ -29,6 +29,8 @@ class PrefixCacheConfig:
     placement: str = "path"  # "path": `planner` on each request's path; "tree": exact DP over a bounded subtree
     remote: str | None = None  # shared tier for replicas, "redis://host:port/db" (None: this process only)
     remote_retry_s: float = 1.0  # after the shared tier failed, serve local-only this long before retrying
+    # a file holding the cluster key that signs the shared tier's entries (None: $KVSTATE_REMOTE_KEY, else unkeyed)
+    remote_key_file: str | None = None
     # a checkpoint captured mid-prompt costs an extra forward call: capture only where the tokens it is
     # expected to save (overlap mass it serves × tokens saved) reach this; None: half the checkpoint grid
     capture_min_saving: float | None = None
@@ -52,6 +54,8 @@ class PrefixCacheConfig:
         if self.remote is not None:
             check_remote_url(self.remote)
         check_float("remote_retry_s", self.remote_retry_s, 0.0, 3600.0, error=KVStateError)
+        if self.remote_key_file is not None and (not isinstance(self.remote_key_file, str) or not self.remote_key_file):
+            raise KVStateError(f"remote_key_file={self.remote_key_file!r} is not a path; pass the key file's path or None")
         if self.capture_min_saving is not None:
             check_float("capture_min_saving", self.capture_min_saving, 0.0, 1e12, error=KVStateError,
                         hint="; None uses half the checkpoint grid, 0 captures every planned position")

@@ -43,7 +43,7 @@ from kvstate.prefix.eviction import Policy
 from kvstate.prefix.placement import plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
 from kvstate.prefix.segments import build_cache, kv_segment, split_segment, to_device
-from kvstate.prefix.shared_tier import Layout, RemoteMetrics, SharedTier, layout_of
+from kvstate.prefix.shared_tier import Layout, RemoteMetrics, SharedTier, layout_of, load_key
 from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
 
 
@@ -133,9 +133,12 @@ class SparsePrefixCache:
         self._lock = threading.Lock()
         self._shared: SharedTier | None = None
         self._layout_memo: Layout | None = None
+        # what every cache this engine hands out is tagged with, and what insert() asks of a cache
+        self.fingerprint = model_fingerprint(model)
         if cfg.remote is not None or remote_tier is not None:
+            key = load_key(cfg.remote_key_file)
             tier = remote_tier if remote_tier is not None else RedisTier(str(cfg.remote))
-            self._shared = SharedTier(tier, model_fingerprint(model), self.align, self._kinds, cfg.remote_retry_s)
+            self._shared = SharedTier(tier, self.fingerprint, self.align, self._kinds, cfg.remote_retry_s, key)
             self._shared.layout = self._layout()
 
     def _layout(self) -> Layout:
@@ -252,6 +255,26 @@ class SparsePrefixCache:
             )
         return input_ids, tuple(int(t) for t in input_ids[0].tolist())
 
+    def _tagged(self, cache: ResumableCache) -> ResumableCache:
+        cache.origin = self.fingerprint
+        return cache
+
+    def _resume_remote(
+        self, tokens: tuple[int, ...], start: int, cands: set[int]
+    ) -> tuple[tuple[int, list[Any], Any], ResumableCache] | None:
+        """A deeper resume point from the shared tier and the cache rebuilt there; None on a miss. Whatever
+        goes wrong with a remote entry is a counted refusal and a local computation, never the request's error."""
+        assert self._shared is not None
+        try:
+            remote = self._shared.lookup(tokens, start, cands)
+            if remote is None:
+                return None
+            p, parts, state = remote
+            return remote, build_cache(self.model.config, self._kinds, parts, state, p, self._device)
+        except Exception as exc:  # an entry that passed the checks and still fails to restore
+            self._shared.refused(f"restore failed ({type(exc).__name__})")
+            return None
+
     def _restore(self, txn: Txn, length: int) -> ResumableCache:
         return build_cache(self.model.config, self._kinds, list(txn.kv), txn.state, length, self._device)
 
@@ -289,7 +312,7 @@ class SparsePrefixCache:
             if hit.full:  # nothing to compute or insert: the stored logits and end state
                 try:
                     logits = txn.logits.to(self._device, copy=True)
-                    served = PrefillResult(logits, self._restore(txn, end), n, 0, 0, 0, ones)
+                    served = PrefillResult(logits, self._tagged(self._restore(txn, end)), n, 0, 0, 0, ones)
                 except BaseException:
                     self.store.abort(txn)
                     raise
@@ -297,16 +320,16 @@ class SparsePrefixCache:
                 return served
         try:
             # on a local miss, the shared tier may hold a deeper state (another replica computed it)
-            remote = None
+            remote, resumed = None, None
             if self._shared is not None:
-                cands = set(txn.capture) | set(boundaries or ()) | set(range(self.align, n, self.align)) | {n - 1}
-                remote = self._shared.lookup(tokens, start, cands)
+                declared = set(() if boundaries is None else boundaries)
+                cands = set(txn.capture) | declared | set(range(self.align, n, self.align)) | {n - 1}
+                resumed = self._resume_remote(tokens, start, cands)
             remote_state = None
-            if remote is not None:
+            cache: ResumableCache | None
+            if resumed is not None:
+                remote, cache = resumed
                 start, parts, remote_state = remote
-                cache: ResumableCache | None = build_cache(
-                    self.model.config, self._kinds, parts, remote_state, start, self._device
-                )
             else:
                 # what it restores is pinned; an empty resumable cache when the pass returns it as is
                 cache = self._restore(txn, start) if start or full_state else None
@@ -365,7 +388,7 @@ class SparsePrefixCache:
             self._shared.write(tokens, start, live, {p: out.snapshots[p] for p in cuts}, n)
         return PrefillResult(
             logits=out.logits,
-            cache=result_cache,
+            cache=self._tagged(result_cache),
             reused_tokens=start,
             recomputed_tokens=n - start,
             new_tokens=n - hit.overlap,
@@ -374,15 +397,25 @@ class SparsePrefixCache:
         )
 
     @torch.no_grad()
-    def insert(self, input_ids: torch.Tensor, cache: Any, covered: int | None = None) -> bool:
+    def insert(self, input_ids: torch.Tensor, cache: Any, covered: int | None = None, *, trusted: bool = False) -> bool:
         """Cache what a forward pass or ``generate`` already computed: ``cache`` holds the state after the
         first ``covered`` tokens of ``input_ids`` (default ``T-1``: what ``generate`` leaves for its output
-        sequence). Returns False when it did not fit the budget (the store is then unchanged)."""
+        sequence). Returns False when it did not fit the budget (the store is then unchanged).
+
+        The cache must carry this model's fingerprint (``cache.origin``: every cache :meth:`prefill` returns
+        does, and ``generate`` keeps it); ``trusted=True`` takes a cache you filled with this model yourself."""
         input_ids, tokens = self._tokens(input_ids, None)
         covered = len(tokens) - 1 if covered is None else int(covered)
         if not 0 < covered <= len(tokens):
             raise KVStateError(f"covered={covered} must be in 1..{len(tokens)} (the tokens the cache holds).")
         self._check_cache(cache, covered)
+        origin = cache.origin if isinstance(cache, ResumableCache) else None
+        if not trusted and origin != self.fingerprint:
+            got = "carries no origin" if origin is None else f"was filled by model {origin[:12]}…"
+            raise KVStateError(
+                f"insert: the cache {got}, not this model ({self.fingerprint[:12]}…); insert caches this engine's "
+                "prefill returned (generate keeps their tag), or pass trusted=True for a cache this model filled."
+            )
         dev = self.config.state_device
         states = {}
         if self.store.config.has_recurrent:

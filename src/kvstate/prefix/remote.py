@@ -31,6 +31,8 @@ class RemoteTier(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
+    def delete(self, key: str) -> None: ...  # drop an entry a reader refused (best effort)
+
 
 def check_remote_url(url: str) -> str:
     """``redis://host:port/db`` (or ``rediss://``, ``unix://``): the URL, validated; else a KVStateError."""
@@ -52,6 +54,14 @@ def check_remote_url(url: str) -> str:
         db = parts.path.lstrip("/")
         if db and not db.isdigit():
             raise KVStateError(f"remote={url!r}: database {db!r} is not a number; {fix}.")
+    try:  # the query's options (socket_timeout=..., ...) as redis-py will read them
+        from redis.connection import parse_url
+
+        parse_url(url)
+    except ImportError:  # redis-py is a dependency; without it RedisTier says so
+        pass
+    except (ValueError, TypeError) as exc:
+        raise KVStateError(f"remote={url!r}: {' '.join(str(exc).split())}; {fix}.") from None
     return url
 
 
@@ -68,6 +78,15 @@ class RedisTier:
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
         )
 
+    def ping(self) -> None:
+        """Connect and PING now (select the URL's database too); :class:`RemoteUnavailable` naming the URL and
+        the error when the tier cannot be used (refused, timed out, not Redis, no such database)."""
+        try:
+            if not self._client.ping():
+                raise RemoteUnavailable(f"remote tier {self.url!r} did not answer PING")
+        except self._errors as exc:
+            raise RemoteUnavailable(f"remote tier {self.url!r} cannot be used: {' '.join(str(exc).split())}") from None
+
     def get(self, key: str) -> bytes | None:
         try:
             data = self._client.get(key)
@@ -80,6 +99,12 @@ class RedisTier:
             self._client.set(key, data)
         except self._errors as exc:
             raise RemoteUnavailable(f"remote tier {self.url!r} failed on SET: {exc}") from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete(key)
+        except self._errors as exc:
+            raise RemoteUnavailable(f"remote tier {self.url!r} failed on DEL: {exc}") from None
 
     def close(self) -> None:
         self._client.close()

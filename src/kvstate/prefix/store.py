@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -70,8 +70,13 @@ __all__ = ["Hit", "KVSource", "Node", "Planner", "PrefixStore", "Sizer", "Splitt
 
 def check_boundaries(boundaries: Sequence[int], n: int) -> tuple[int, ...]:
     """Declared boundaries of a request of ``n`` tokens: ints in ``1..n``, strictly increasing."""
-    got = list(boundaries)
     fix = "pass sorted(set(b for b in boundaries if 0 < b <= len(input_ids)))"
+    if isinstance(boundaries, str | bytes | dict) or not isinstance(boundaries, Iterable):
+        raise KVStateError(
+            f"boundaries={boundaries!r} is not a list of token positions; pass a list of ints in 1..{n}, e.g. "
+            f"boundaries=[{n}] for one position."
+        )
+    got = list(boundaries)
     bad = [b for b in got if isinstance(b, bool) or not isinstance(b, (int, np.integer))]
     if bad:
         raise KVStateError(f"boundaries: {bad[:5]!r} are not token positions (ints); {fix}.")
