@@ -100,7 +100,8 @@ def test_redis_going_away_degrades_to_local_only_and_recovers(server: RedisServe
 
 
 def test_remote_url_is_validated() -> None:
-    for url, msg in [("http://x:1/0", "scheme"), ("redis://", "no host"), ("redis://h:1/abc", "database"), ("", "not a URL")]:
+    for url, msg in [("http://x:1/0", "scheme"), ("redis://", "no host"), ("redis://h:1/abc", "database"), ("", "not a URL"),
+                     ("redis://127.0.0.1:6379/0?socket_timeout=abc", "socket_timeout")]:
         with pytest.raises(KVStateError, match=msg):
             PrefixCacheConfig(MiB, remote=url)
 
