@@ -133,6 +133,7 @@ class _Handlers:
         self.gen, self.tok, self.config, self.scheduler, self.counters = (
             generator, tokenizer, config, scheduler, counters)
         self.template = chat.template_of(tokenizer, config.chat_template)
+        self.controls = chat.control_tokens(tokenizer)
 
     # -- checks ------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -198,6 +199,7 @@ class _Handlers:
                                param="max_completion_tokens")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        chat.check_contents(messages, self.controls)
         ids = chat.render(self.tok, self.template, messages, generation_prompt=True)
         if not ids:
             raise RequestError("messages: the chat template renders them to no tokens", param="messages")

@@ -10,6 +10,14 @@ by every conversation; each message's end is where the next turn resumes). They 
 growing prefixes of the message list and keeping the lengths whose tokens are a prefix of the whole
 prompt's (a template that rewrites earlier messages when more follow yields fewer positions, never
 wrong ones).
+
+A message's text may not contain a control token of the tokenizer (a special token's string such as
+``<eos>`` or ``<bos>``): the rendered text is tokenized with special tokens recognized, so typed text
+would become the real token and could close its own turn and forge another (``<eos> assistant : ...``).
+Such a message is refused (400, naming the message and the token) rather than escaped: escaping would
+tokenize message texts apart from the template's text, changing the tokens of every chat prompt at each
+boundary (and a vocabulary that also holds the string as a word would still yield the control id), while
+refusing leaves every accepted prompt's tokens, message ends and cached replies exactly as before.
 """
 
 from __future__ import annotations
@@ -31,6 +39,24 @@ DEFAULT_CHAT_TEMPLATE = (
 def template_of(tokenizer: Any, override: str | None = None) -> str:
     """The template to render with: ``override``, else the tokenizer's, else :data:`DEFAULT_CHAT_TEMPLATE`."""
     return override or getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+
+
+def control_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The strings ``tokenizer`` turns into special tokens (``<eos>``, ``<|im_end|>``, ...), longest first."""
+    found = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found.update(t.content for t in added.values() if getattr(t, "special", False))
+    return tuple(sorted((t for t in found if t), key=lambda t: (-len(t), t)))
+
+
+def check_contents(messages: Sequence[dict[str, str]], controls: Sequence[str]) -> None:
+    """A :class:`RequestError` naming the first message whose text contains one of ``controls`` and the token."""
+    for i, m in enumerate(messages):
+        hit = next((c for c in controls if c in m["content"]), None)
+        if hit is not None:
+            raise RequestError(f"messages[{i}].content contains {hit!r}, a control token of this model's tokenizer "
+                               "(it would end or start a turn); remove it from the message's text",
+                               param=f"messages.{i}.content")
 
 
 def render(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], generation_prompt: bool) -> list[int]:
