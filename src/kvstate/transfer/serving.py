@@ -7,8 +7,10 @@ itself (it needs that token's logits) and continues with ``model.generate``. Bot
 take by the model: the producer's vocabulary and positions (every request), the consumer's positions
 (prompt + new tokens). A :class:`Receiver` says which payloads a consumer accepts and how it decodes them
 (the codec's by default; the lab builds receivers for the baselines). When the producer cannot serve
-(:class:`~kvstate.transfer.transport.ProducerUnavailable`) the consumer prefills the prompt itself and
-says so (``Generation.fallback``). Ignored: sampling, batches.
+(:class:`~kvstate.transfer.transport.ProducerUnavailable`) or its payload is refused (corrupt, for other
+tokens, undecodable: :class:`~kvstate.transfer.payload.PayloadError`) the consumer prefills the prompt
+itself and says so (``Generation.fallback``, one line); a producer serving another model pair is a
+configuration error and is raised. Ignored: sampling, batches.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from kvstate.errors import KVStateError
 from kvstate.transfer.codec import Codec
-from kvstate.transfer.payload import Payload
+from kvstate.transfer.payload import Payload, PayloadError
 from kvstate.transfer.store import PayloadStore
 from kvstate.transfer.transport import ProducerService, ProducerUnavailable, fetch_payload
 from kvstate.validate import check_float, check_id_list, check_int
@@ -87,8 +89,8 @@ def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec | Receiver, se
     """Fetch the prompt prefix's payload from ``server`` and greedily continue it on ``consumer``.
 
     ``codec``: the codec (or a :class:`Receiver`) the payload is decoded with. ``fallback``: when the
-    producer cannot serve (:class:`ProducerUnavailable`), prefill the prompt on the consumer and give the
-    reason in ``Generation.fallback`` (False: raise)."""
+    producer cannot serve (:class:`ProducerUnavailable`) or its payload is refused (:class:`PayloadError`),
+    prefill the prompt on the consumer and give the reason in ``Generation.fallback`` (False: raise)."""
     if not isinstance(prompt, str):
         raise KVStateError(f"prompt must be text, got {type(prompt).__name__}")
     limit = positions(consumer)
@@ -106,15 +108,16 @@ def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec | Receiver, se
     receiver = codec_receiver(consumer, codec) if isinstance(codec, Codec) else codec
     try:
         payload, head = fetch_payload(server, ids[:-1], receiver.pair, timeout)
-    except ProducerUnavailable as exc:
+        t0 = time.perf_counter()
+        cache = receiver.decode(payload, ids)
+    except (ProducerUnavailable, PayloadError) as exc:
         if not fallback:
             raise
         t0 = time.perf_counter()
         new = _generate(consumer, tokenizer, ids, None, max_new_tokens)
+        why = f"{exc}; prefilled on the consumer instead"
         return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), 0, len(ids), 0.0, 0.0,
-                          1e3 * (time.perf_counter() - t0), False, fallback=f"{exc}; prefilled on the consumer instead")
-    t0 = time.perf_counter()
-    cache = receiver.decode(payload, ids)
+                          1e3 * (time.perf_counter() - t0), False, fallback=" ".join(why.split()))
     t1 = time.perf_counter()
     new = _generate(consumer, tokenizer, ids, cache, max_new_tokens)
     t2 = time.perf_counter()

@@ -2,9 +2,9 @@
 
 Part of the serving side of *Semantic Cache Distillation: Efficient State Transfer via Reuse and
 Selective Patching* (``docs/techniques.md#across-models``): many producers and consumers share encoded
-prefixes, so a producer looks a payload up before prefilling it again. Two verbs with whole-or-nothing
-effects — ``get(key)`` (bytes or ``None``) and ``put(key, data)`` (a single Redis ``SET``, or one dict
-assignment) — and :func:`open_store` picks the backend from a URL (``memory://``, ``redis://host:port/db``).
+prefixes, so a producer looks a payload up before prefilling it again. Three verbs with whole-or-nothing
+effects — ``get(key)`` (bytes or ``None``), ``put(key, data)`` (a single Redis ``SET``, or one dict
+assignment) and ``delete(key)`` (a stored payload found corrupt) — and :func:`open_store` picks the backend from a URL (``memory://``, ``redis://host:port/db``).
 Ignored: eviction policy in Redis (configure ``maxmemory-policy`` on the server), authentication beyond the URL.
 """
 
@@ -37,6 +37,7 @@ def store_key(pair: bytes, token_hash: bytes, variant: str = "") -> str:
 class PayloadStore(Protocol):
     def get(self, key: str) -> bytes | None: ...
     def put(self, key: str, data: bytes) -> None: ...
+    def delete(self, key: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -67,6 +68,11 @@ class MemoryStore:
                 self._used -= len(self._data.popitem(last=False)[1])
             self._data[key] = bytes(data)
             self._used += len(data)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            old = self._data.pop(key, None)
+            self._used -= len(old) if old is not None else 0
 
     def close(self) -> None:
         with self._lock:
@@ -103,6 +109,13 @@ class RedisStore:
             self._client.set(key, data, ex=self.ttl_s)
         except self._errors as exc:
             raise StoreError(f"Redis store {self.url!r} failed on SET ({exc}); is redis-server still running? "
+                             "restart it, or serve with --store memory://") from None
+
+    def delete(self, key: str) -> None:
+        try:
+            self._client.delete(key)
+        except self._errors as exc:
+            raise StoreError(f"Redis store {self.url!r} failed on DEL ({exc}); is redis-server still running? "
                              "restart it, or serve with --store memory://") from None
 
     def close(self) -> None:

@@ -14,7 +14,11 @@ error reply (``{"ok": false, "error": ..., "kind": ...}``), never a dropped conn
 or disconnects mid-frame only loses its own connection. ``kind`` tells the client whose fault it was:
 ``"request"`` (fix the request), ``"store"`` (the payload store failed, e.g. Redis went away mid-request)
 or ``"internal"``; the client raises :class:`ProducerUnavailable` for the last two and for a producer it
-cannot reach, so that a consumer can fall back to its own prefill. Ignored: TLS, authentication, request
+cannot reach, so that a consumer can fall back to its own prefill. A payload is verified at both ends
+(checksum, model pair, tokens: :class:`~kvstate.transfer.payload.PayloadError` otherwise): the producer
+deletes, counts (``ProducerService.corrupt``) and re-encodes a stored payload that fails, never serving
+it; the client refuses one that fails on the wire. A reply that is not JSON (or not UTF-8) is a
+:class:`TransportError`. Ignored: TLS, authentication, request
 multiplexing on one connection.
 """
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstate.errors import KVStateError
-from kvstate.transfer.payload import Payload, ids_hash
+from kvstate.transfer.payload import Payload, PayloadError, ids_hash
 from kvstate.transfer.store import PayloadStore, StoreError, store_key
 from kvstate.validate import check_float, check_id_list, check_int
 
@@ -94,13 +98,22 @@ class ProducerService:
         self._lock = threading.Lock()
         self.served = 0  # requests answered with a payload
         self.hits = 0  # of which came from the store
+        self.corrupt = 0  # stored payloads that failed verification: deleted and encoded again
 
     def payload_bytes(self, ids: list[int]) -> tuple[bytes, bool]:
+        """The payload of ``ids`` and whether it came from the store; a stored payload is served only when it
+        parses, its checksum holds and it is for this pair and these tokens (else it is deleted and re-encoded)."""
         key = store_key(self.pair, ids_hash(ids), self.variant)
         data = self.store.get(key)
         if data is not None:
-            self.hits += 1
-            return data, True
+            try:
+                Payload.from_bytes(data).check(self.pair, ids)
+            except PayloadError:  # corrupted in the store, or written there by something else
+                self.store.delete(key)
+                self.corrupt += 1
+            else:
+                self.hits += 1
+                return data, True
         with self._lock:
             data = self._encode(ids).to_bytes()
         self.store.put(key, data)
@@ -262,7 +275,7 @@ async def _request(host: str, port: int, reqs: Sequence[dict[str, Any]], timeout
             out.append((head, body))
     except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
         raise ProducerUnavailable(f"connection to the producer at {host}:{port} failed: {exc!r}") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # not JSON, or not even UTF-8 text
         raise TransportError(f"the producer at {host}:{port} sent a malformed reply ({exc}); is it a kvstate "
                              "transfer server?") from None
     finally:
@@ -284,7 +297,8 @@ def fetch_payload(server: str, ids: Sequence[int], pair: bytes | None = None, ti
                   max_payload: int = 1 << 31) -> tuple[Payload, dict[str, Any]]:
     """Ask the producer at ``HOST:PORT`` for the payload of ``ids``; checks the pair first when given.
 
-    Returns the verified payload and the reply header plus ``"wire_ms"`` (request to last byte)."""
+    Returns the verified payload (checksum, pair when given, tokens; else :class:`PayloadError`) and the reply
+    header plus ``"wire_ms"`` (request to last byte)."""
     host, port = parse_address(server)
     ids = check_id_list("fetch_payload ids", list(ids) if isinstance(ids, (list, tuple, range)) else ids, 2**31,
                         error=TransportError)
@@ -297,4 +311,6 @@ def fetch_payload(server: str, ids: Sequence[int], pair: bytes | None = None, ti
         raise TransportError(f"producer at {server} serves model pair {str(hello.get('pair'))[:12]}…, the "
                              f"consumer's codec is for {pair.hex()[:12]}…; point both at the same codec")
     assert body is not None
-    return Payload.from_bytes(body), {**head, "wire_ms": wire_ms, "hello": hello}
+    payload = Payload.from_bytes(body)
+    payload.check(payload.pair if pair is None else pair, ids)
+    return payload, {**head, "wire_ms": wire_ms, "hello": hello}

@@ -177,3 +177,74 @@ def test_bench_without_perplexity_prints_strict_json(pair_dirs: tuple[Path, Path
 
     out = json.loads(res.output.strip().splitlines()[-1], parse_constant=no_constants)
     assert out["results"] and all(r["ppl"] is None and r["ppl_ci"] is None for r in out["results"])
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from kvstate.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    out, err = capsys.readouterr()
+    return int(done.value.code or 0), out, err
+
+
+def test_generate_falls_back_on_a_corrupt_payload_and_says_so_in_one_line(
+        pair_dirs: tuple[Path, Path], codec_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstate.lab.harness import load_reference
+    from kvstate.transfer.codec import Codec
+    from kvstate.transfer.serving import producer_service
+    from kvstate.transfer.store import MemoryStore
+    from kvstate.transfer.transport import ServerThread
+
+    p, c = pair_dirs
+    model, _ = load_reference(p)
+    service = producer_service(model, Codec.load(codec_dir), MemoryStore())
+    serve = service.payload_bytes
+
+    def corrupt(ids: list[int]) -> tuple[bytes, bool]:  # a bit flipped in transit, after the producer's checks
+        data = serve(ids)[0]
+        return data[:-1] + bytes([data[-1] ^ 1]), False
+
+    service.payload_bytes = corrupt  # type: ignore[method-assign]
+    with ServerThread(service) as srv:
+        args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec_dir), "--server",
+                f"127.0.0.1:{srv.port}", "--prompt", "the cat sat on the mat . answer :", "--max-new-tokens", "2",
+                "--json"]
+        code, out, err = _main(args, capsys)
+        assert code == 0 and json.loads(out.strip().splitlines()[-1])["fallback"] is not None
+        notes = [line for line in err.splitlines() if line.startswith("no payload:")]
+        assert len(notes) == 1 and "checksum" in notes[0] and notes[0].endswith("prefilled on the consumer instead")
+        code, out, err = _main([*args, "--no-fallback"], capsys)
+        errors = [line for line in err.splitlines() if "error" in line.lower()]  # transformers' loading bar aside
+        assert code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and "checksum" in errors[0]
+
+
+def test_generate_refuses_a_reply_that_is_not_utf8_in_one_line(pair_dirs: tuple[Path, Path], codec_dir: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+    import struct
+    import threading
+
+    _, c = pair_dirs
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:  # reads the hello frame, answers with bytes that are not UTF-8
+        conn, _ = listener.accept()
+        with conn:
+            (n,) = struct.unpack(">I", conn.recv(4))
+            while n > 0:
+                n -= len(conn.recv(n))
+            reply = b'{"ok": "\xc3\x28"}'  # invalid UTF-8 inside a JSON-looking reply
+            conn.sendall(struct.pack(">I", len(reply)) + reply)
+            conn.recv(1)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    with listener:
+        code, _, err = _main(["transfer", "generate", "--consumer", str(c), "--codec", str(codec_dir), "--server",
+                              f"127.0.0.1:{listener.getsockname()[1]}", "--prompt", "the cat sat", "--no-fallback"],
+                             capsys)
+        thread.join(5)
+    errors = [line for line in err.splitlines() if "error" in line.lower()]  # transformers' loading bar aside
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and "malformed reply" in errors[0]
+    assert "Traceback" not in err

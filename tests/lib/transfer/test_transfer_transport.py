@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from kvstate.models.tiny import tiny_model
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec
+from kvstate.transfer.payload import PayloadError
 from kvstate.transfer.serving import Receiver, consumer_generate, producer_service
 from kvstate.transfer.states import continue_logits
 from kvstate.transfer.store import MemoryStore, RedisStore, StoreError, open_store, store_key
@@ -251,3 +253,78 @@ def test_the_service_bounds_requests_by_the_producer(pair: tuple) -> None:
     p, _, codec = pair
     service = producer_service(p, codec, MemoryStore())
     assert (service.vocab_size, service.max_tokens) == (p.config.vocab_size, p.config.max_position_embeddings)
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+def test_a_corrupt_stored_payload_is_deleted_counted_and_encoded_again(pair: tuple, backend: str,
+                                                                        request: pytest.FixtureRequest) -> None:
+    p, _, codec = pair
+    store = MemoryStore() if backend == "memory" else open_store(request.getfixturevalue("redis_url"))
+    service = producer_service(p, codec, store)
+    ids, other = list(range(3, 15)), list(range(20, 32))
+    with ServerThread(service, ServerConfig(timeout_s=5)) as srv:
+        addr = f"127.0.0.1:{srv.port}"
+        good, _ = fetch_payload(addr, ids, codec.pair, timeout=10)
+        key = store_key(codec.pair, good.token_hash)
+        store.put(key, _flip(good.to_bytes(), len(good.to_bytes()) // 2))  # a bit flipped in the store
+        again, head = fetch_payload(addr, ids, codec.pair, timeout=10)
+        assert head["cached"] is False and again.to_bytes() == good.to_bytes() and service.corrupt == 1
+        assert store.get(key) == good.to_bytes()  # the bad entry was replaced by a good one
+        wrong, _ = fetch_payload(addr, other, codec.pair, timeout=10)
+        store.put(key, wrong.to_bytes())  # whole and checksummed, but for other tokens
+        third, head = fetch_payload(addr, ids, codec.pair, timeout=10)
+        assert head["cached"] is False and third.to_bytes() == good.to_bytes() and service.corrupt == 2
+        _, head = fetch_payload(addr, ids, codec.pair, timeout=10)
+        assert head["cached"] is True and service.corrupt == 2
+
+
+def _corrupting(service: ProducerService) -> ProducerService:
+    """``service`` with every payload corrupted on its way out (in transit, after the producer's checks)."""
+    serve = service.payload_bytes
+    service.payload_bytes = lambda ids: (_flip(serve(ids)[0], 200), False)  # type: ignore[method-assign]
+    return service
+
+
+def test_consumer_falls_back_on_a_corrupt_payload_only_when_asked(pair: tuple) -> None:
+    p, c, codec = pair
+    prompt = " ".join(str(i) for i in range(3, 40))
+    with ServerThread(_corrupting(producer_service(p, codec, MemoryStore())), ServerConfig(timeout_s=5)) as srv:
+        addr = f"127.0.0.1:{srv.port}"
+        gen = consumer_generate(c, _Tok(), codec, addr, prompt, max_new_tokens=4, timeout=10)
+        with pytest.raises(PayloadError, match="checksum"):
+            consumer_generate(c, _Tok(), codec, addr, prompt, max_new_tokens=4, timeout=10, fallback=False)
+    with torch.inference_mode():
+        own = c.generate(torch.tensor([list(range(3, 40))]), max_new_tokens=4, do_sample=False, eos_token_id=0,
+                         pad_token_id=0)[0, 37:].tolist()
+    assert gen.fallback is not None and "checksum" in gen.fallback and "\n" not in gen.fallback
+    assert (gen.text, gen.payload_bytes) == (" ".join(map(str, own)), 0)
+
+
+def _raw_server(reply: bytes) -> tuple[socket.socket, threading.Thread]:
+    """A listening socket that answers the first request frame of one client with ``reply`` as a frame."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            (n,) = struct.unpack(">I", conn.recv(4))
+            while n > 0:
+                n -= len(conn.recv(n))
+            conn.sendall(_frame(reply))
+            conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return listener, thread
+
+
+def test_a_reply_that_is_not_utf8_is_a_transport_error() -> None:
+    listener, thread = _raw_server(b'{"ok": "\xff\xfe"}')
+    with listener:
+        with pytest.raises(TransportError, match="malformed reply"):
+            fetch_payload(f"127.0.0.1:{listener.getsockname()[1]}", [1, 2], timeout=5)
+        thread.join(5)

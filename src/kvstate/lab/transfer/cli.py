@@ -157,7 +157,8 @@ def serve_command(
     try:
         asyncio.run(main())
     except KeyboardInterrupt:
-        console.print(f"stopped after {service.served} payloads ({service.hits} from the store)")
+        console.print(f"stopped after {service.served} payloads ({service.hits} from the store; {service.corrupt} "
+                      "corrupt stored payloads deleted and re-encoded)")
 
 
 @app.command("generate")
@@ -172,12 +173,14 @@ def generate_command(
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
     method: Annotated[str, typer.Option("--method", help="The producer's --method.")] = "scd",
     fallback: Annotated[bool, typer.Option("--fallback/--no-fallback", help="Prefill on the consumer when the "
-                                           "producer is unreachable or its store failed (said on stderr).")] = True,
+                                           "producer is unreachable, its store failed or its payload is refused "
+                                           "(corrupt, for other tokens); said on stderr in one line.")] = True,
 ) -> None:
     """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
+    import sys
     from dataclasses import asdict
 
-    from kvstate.lab.cli_output import notes_console, print_json
+    from kvstate.lab.cli_output import print_json
     from kvstate.lab.harness import load_reference
     from kvstate.lab.transfer.methods import check_method, receiver
     from kvstate.transfer.codec import Codec
@@ -193,8 +196,9 @@ def generate_command(
     model, tok = load_reference(consumer)
     gen = consumer_generate(model, tok, receiver(method, model, codec), server, prompt, max_new_tokens, timeout,
                             fallback=fallback)
-    if gen.fallback is not None:
-        notes_console().print(f"[yellow]no payload: {gen.fallback}[/]")
+    if gen.fallback is not None:  # one line, written directly: a Rich console would wrap it
+        sys.stderr.write(f"no payload: {gen.fallback}\n")
+        sys.stderr.flush()
     if as_json:
         print_json(asdict(gen))
         return
