@@ -4,12 +4,14 @@ Only the final recurrent state of a forward call exists (sparse prefix caching; 
 ``c`` needs a call boundary at ``c``. This module makes those boundaries, always with explicit
 ``position_ids`` (Bamba and pure-SSM caches go wrong without them), and snapshots the state at each
 cut. Resuming from a restored snapshot and running the same remaining segments reproduces the
-uninterrupted segmented computation bit for bit.
+uninterrupted segmented computation bit for bit. ``chunk`` adds call boundaries every ``chunk`` tokens and
+``between`` runs after each call but the last: a server decodes its running batch there, so a long
+prompt holds the others up for one chunk at a time (chunked prefill).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -48,12 +50,18 @@ def segmented_prefill(
     start: int = 0,
     capture: Capture | None = "full",
     all_logits: bool = False,
+    chunk: int | None = None,
+    between: Callable[[], None] | None = None,
 ) -> PrefillOutput:
     """Feed ``input_ids[:, start:]`` into ``cache`` (which already holds ``start`` tokens).
 
     ``cuts`` are absolute positions in ``(start, T]`` where a forward call ends; with ``capture`` set the
     state at each cut is snapshotted (``"recurrent"`` keeps only recurrent parts: a sparse checkpoint).
+    ``chunk``: no forward call covers more than this many tokens (extra boundaries, not snapshotted);
+    ``between``: called after every forward call but the last.
     """
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise KVStateError(f"chunk={chunk!r} must be a positive int (tokens per forward call) or None.")
     if input_ids.dim() != 2:
         raise KVStateError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}.")
     total = int(input_ids.shape[1])
@@ -65,9 +73,7 @@ def segmented_prefill(
             raise KVStateError(f"start={start} needs a cache holding those {start} tokens; pass cache=.")
         cache = DynamicCache(config=model.config)
     wanted = validate_cuts(cuts, start, total)
-    bounds = list(wanted)
-    if not bounds or bounds[-1] != total:
-        bounds.append(total)
+    bounds = sorted(set(wanted) | {total} | (set(range(start + chunk, total, chunk)) if chunk else set()))
     snapshots: dict[int, CacheSnapshot] = {}
     pieces: list[torch.Tensor] = []
     prev = start
@@ -87,6 +93,8 @@ def segmented_prefill(
             # "recurrent": the checkpoint part only, without cloning the attention KV
             snapshots[cut] = snapshot_cache(cache, cut, kinds, attention=capture != "recurrent")
         prev = cut
+        if between is not None and cut != total:
+            between()
     logits = torch.cat(pieces, dim=1) if all_logits else pieces[-1]
     return PrefillOutput(logits=logits, cache=cache, snapshots=snapshots)
 

@@ -19,7 +19,7 @@ passes run outside it, so requests on several threads overlap (what they use is 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -286,6 +286,8 @@ class SparsePrefixCache:
         boundaries: Sequence[int] | None = None,
         *,
         full_state: bool = False,
+        chunk: int | None = None,
+        between: Callable[[], None] | None = None,
     ) -> PrefillResult:
         """Serve one prompt. ``attention_mask`` may be given but must be all ones (a batch of one, no padding):
         the cache is built with positions ``0..T-1``, which is what ``generate`` uses for an all-ones mask.
@@ -299,7 +301,11 @@ class SparsePrefixCache:
         ``full_state=True``: the returned cache holds all ``T`` tokens, for a caller with its own decode loop
         (sample from ``logits``, feed the new token at position ``T``). The pass is then one forward call
         fewer: the end state kept for later requests is the one after ``T`` tokens, which the pass ends on,
-        instead of after ``T-1``, which needs a call boundary there."""
+        instead of after ``T-1``, which needs a call boundary there.
+
+        ``chunk`` / ``between``: chunked prefill for a batching server — no forward call covers more than
+        ``chunk`` tokens and ``between()`` runs after each call but the last (the server decodes its running
+        batch there); what this request restores stays pinned meanwhile."""
         input_ids, tokens = self._tokens(input_ids, attention_mask)
         n = len(tokens)
         end = n if full_state else n - 1  # the end state this request keeps, and the returned cache's length
@@ -340,7 +346,8 @@ class SparsePrefixCache:
             if remote is not None and start == end:  # the forward pass below advances `cache` in place
                 result_cache = build_cache(self.model.config, self._kinds, parts, remote_state, start, self._device)
             out = segmented_prefill(
-                self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent"
+                self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent", chunk=chunk,
+                between=between,
             )
             dev = self.config.state_device
             states = {p: to_device(out.snapshots[p], dev) for p in capture}
