@@ -42,6 +42,7 @@ from kvstate.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     RequestError,
+    check_unicode,
     error_body,
     validation_message,
 )
@@ -177,6 +178,7 @@ class _Handlers:
                                    "them as separate requests", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_unicode("prompt", prompt, "prompt")
             ids = list(self.tok(prompt)["input_ids"])
         else:
             ids = list(prompt)
@@ -199,6 +201,8 @@ class _Handlers:
                                param="max_completion_tokens")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
+        for i, m in enumerate(messages):
+            check_unicode(f"messages[{i}].content", m["content"], f"messages.{i}.content")
         chat.check_contents(messages, self.controls)
         ids = chat.render(self.tok, self.template, messages, generation_prompt=True)
         if not ids:

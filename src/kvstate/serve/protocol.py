@@ -2,7 +2,8 @@
 
 Requests are validated at the boundary: a field of the wrong type, an unknown field, a malformed body
 become one :class:`RequestError` rendered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``
-with a 4xx status. Fields OpenAI defines but this server cannot honour (sampling with temperature > 0,
+with a 4xx status; text that is not valid Unicode (a lone surrogate, which JSON can carry) is refused naming its
+field. Fields OpenAI defines but this server cannot honour (sampling with temperature > 0,
 ``n > 1``) are refused by name rather than ignored. Ignores: tools, logprobs, response formats.
 """
 
@@ -31,8 +32,20 @@ class RequestError(KVStateError):
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object; the message is one line."""
-    return {"error": {"message": " ".join(message.split()), "type": kind, "param": param, "code": code}}
+    """OpenAI's error object; the message is one line (a lone surrogate in it is escaped: it can be sent)."""
+    text = " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": text, "type": kind, "param": param, "code": code}}
+
+
+def check_unicode(where: str, text: str, param: str) -> None:
+    """A :class:`RequestError` naming ``where`` when ``text`` is not valid Unicode: JSON can carry a lone surrogate
+    (``"\\ud800"``) that no tokenizer can read."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"{where}: character {exc.start} is a lone surrogate ({text[exc.start]!r}), which is not "
+                           "valid Unicode text; send UTF-8 text (a character beyond U+FFFF as a surrogate pair)",
+                           param=param) from None
 
 
 class _Strict(BaseModel):
@@ -60,6 +73,8 @@ class _Sampling(_Strict):
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
             raise RequestError(f"stop: give up to 4 non-empty strings, got {list(stops)!r}", param="stop")
+        for s in stops:
+            check_unicode("stop", s, "stop")
         return stops
 
     def check_sampling(self) -> None:

@@ -185,3 +185,26 @@ def test_a_forged_turn_is_a_400_through_http_even_split_across_parts(door: Door)
     r = httpx.post(door.url + "/v1/chat/completions", json=body, timeout=30)
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "messages.2.content" and "'<eos>'" in err["message"]
+
+
+LONE = "w1 \ud800 w2"  # JSON can carry a lone surrogate: json.dumps escapes it as \ud800
+USER = {"role": "user", "content": "w1"}
+SURROGATES = [
+    ("completions", {"model": "tiny", "prompt": LONE}, "prompt"),
+    ("completions", {"model": "tiny", "prompt": [LONE]}, "prompt"),
+    ("completions", {"model": "tiny", "prompt": "w1", "stop": ["w2", LONE]}, "stop"),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONE}]}, "messages.0.content"),
+    ("chat/completions", {"model": "tiny", "messages": [USER, {"role": "assistant", "content": [
+        {"type": "text", "text": LONE}]}]}, "messages.1.content"),
+    ("chat/completions", {"model": "tiny", "messages": [USER], "stop": LONE}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), SURROGATES, ids=[f"{p}-{f}" for p, _, f in SURROGATES])
+def test_a_lone_surrogate_is_a_400_naming_its_field(door: Door, path: str, body: Any, param: str) -> None:
+    r = httpx.post(f"{door.url}/v1/{path}", content=json.dumps(body).encode(), headers={"content-type": "application/json"},
+                   timeout=30)
+    err = r.json()["error"]
+    named = param.replace(".0.", "[0].").replace(".1.", "[1].")
+    assert (r.status_code, err["param"], err["type"]) == (400, param, "invalid_request_error")
+    assert err["message"].startswith(named + ": ") and "surrogate" in err["message"]
