@@ -21,12 +21,20 @@ def serve_command(
                                                     help="Model name clients pass (default: the directory's name).")] = None,
     remote: Annotated[str | None, typer.Option("--remote", help="A shared prefix tier for replicas, "
                                                "redis://HOST:PORT/DB (KV and states written through, read on a miss).")] = None,
+    remote_optional: Annotated[bool, typer.Option("--remote-optional", help="Start local-only, with a warning, when "
+                                                  "--remote does not answer at startup (else exit 2).")] = False,
 ) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
     cache under every request."""
+    from kvstate.errors import KVStateError
     from kvstate.serve.config import ServeConfig
     from kvstate.serve.server import run
 
+    if served_name is not None and not served_name.strip():
+        raise KVStateError(f"--served-model-name {served_name!r} is empty; pass the name clients will send, or omit it "
+                           "for the model directory's name")
+    if remote_optional and remote is None:
+        raise KVStateError("--remote-optional needs --remote redis://HOST:PORT/DB; pass both, or neither")
     config = ServeConfig(
         model_id=served_name or model.resolve().name,
         budget_bytes=None if no_cache else budget_bytes,
@@ -34,4 +42,4 @@ def serve_command(
         remote=remote,
         max_body_bytes=max_body_bytes,
     )
-    run(model, config, host=host, port=port)
+    run(model, config, host=host, port=port, remote_optional=remote_optional)
