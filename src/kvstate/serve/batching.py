@@ -93,6 +93,12 @@ class DecodeBatch:
         """The requests in the batch, in row order."""
         return tuple(self._rows)
 
+    @property
+    def padded_length(self) -> int:
+        """The batched KV length, left padding included (the longest row's length; 0 without attention
+        layers): what every attention layer of every row holds, the padding waste's measure."""
+        return int(self._mask.shape[1])
+
     def length(self, rid: RequestId) -> int:
         """Tokens the row's state covers: the position its next token is fed at."""
         return self._lengths[self._index(rid)]
