@@ -12,14 +12,15 @@ from pathlib import Path
 
 import pytest
 
-# the job: a shell that runs a Python sleep-writer (a grandchild of the parent, as a real job's run is)
+# the job: a Python process whose own child writes a journal (a grandchild of the parent, as a real job's
+# worker processes are)
 WRITER = textwrap.dedent("""
-    import os, sys, time
+    import subprocess, sys
     from pathlib import Path
-    Path(sys.argv[1]).write_text(str(os.getpid()))
-    with open(sys.argv[2], "a") as f:
-        while True:
-            f.write("unit\\n"); f.flush(); time.sleep(0.05)
+    loop = "import time\\nwhile True:\\n    f = open(%r, 'a'); f.write('unit\\\\n'); f.close(); time.sleep(0.05)" % sys.argv[2]
+    child = subprocess.Popen([sys.executable, "-c", loop])
+    Path(sys.argv[1]).write_text(str(child.pid))
+    child.wait()
 """)
 
 # the parent: the real CLI, with the job list (reproduce) or the model's recorded parts (retrain) pointing at it
@@ -50,7 +51,7 @@ def _alive(pid: int) -> bool:
 def test_a_signal_to_the_parent_stops_the_job(tmp_path, which, sig):
     (tmp_path / "writer.py").write_text(WRITER)
     pid_file, journal = tmp_path / "child.pid", tmp_path / "journal"
-    command = f"{sys.executable} {tmp_path / 'writer.py'} {pid_file} {journal} --out runs/a; echo finished"
+    command = f"{sys.executable} {tmp_path / 'writer.py'} {pid_file} {journal} --out runs/a"
     (tmp_path / "models" / "m").mkdir(parents=True)
     (tmp_path / "models" / "m" / "training_state.json").write_text(json.dumps(
         {"step": 1, "seconds": 1.0, "commands": [{"command": command, "out": "runs/a", "resume": None,
