@@ -167,25 +167,25 @@ def test_cache_of_continues_like_the_lone_cache(name):
     pc = SparsePrefixCache(model, budget_bytes=64 * MiB, slots_per_entry=4, align=8)
     batch = DecodeBatch(model)
     nxt = {}
-    for rid in ("c", "b", "d"):
+    for rid in ("c", "b", "d"):  # 9, 59, 27 tokens: c and d are left-padded in the batch
         res = pc.prefill(torch.tensor([prompts[rid]]), full_state=True)
         batch.add(rid, res.cache, len(prompts[rid]))
         nxt[rid] = int(res.logits[0].argmax())
     with torch.no_grad():
         for _ in range(3):
             nxt = {rid: int(row.argmax()) for rid, row in batch.step(nxt).items()}
-        want_tokens, want_logits = _alone(model, prompts["b"], 4)
-        own = batch.cache_of("b")
-        assert batch.length("b") == len(prompts["b"]) + 3 and nxt["b"] == want_tokens[3]
-        lone = _forward(model, [nxt["b"]], batch.length("b"), own)  # one more step on the row's own cache
-        batched = batch.step(nxt)["b"]  # the batch goes on untouched by cache_of
-    torch.testing.assert_close(lone, want_logits[3], atol=ATOL, rtol=0)
-    torch.testing.assert_close(batched, want_logits[3], atol=ATOL, rtol=0)
-    assert isinstance(own, ResumableCache) and own.origin == pc.fingerprint
-    # the prefix cache takes the row's cache back (prompt + the 4 tokens fed), and a next turn resumes there
-    covered = prompts["b"] + want_tokens[:4]
-    assert batch.length("b") == len(covered)
-    assert pc.insert(torch.tensor([[*covered, want_tokens[4]]]), batch.cache_of("b"), covered=len(covered))
+        owns = {rid: batch.cache_of(rid) for rid in batch.rids}
+        batched = batch.step(nxt)  # the batch goes on untouched by cache_of
+        for rid, own in owns.items():
+            want_tokens, want_logits = _alone(model, prompts[rid], 4)
+            assert batch.length(rid) == len(prompts[rid]) + 4 and nxt[rid] == want_tokens[3]
+            assert isinstance(own, ResumableCache) and own.origin == pc.fingerprint
+            lone = _forward(model, [nxt[rid]], len(prompts[rid]) + 3, own)  # one more step on the row's own cache
+            torch.testing.assert_close(lone, want_logits[3], atol=ATOL, rtol=0)
+            torch.testing.assert_close(batched[rid], want_logits[3], atol=ATOL, rtol=0)
+    # the prefix cache takes a padded row's cache back (prompt + the 4 tokens fed); a next turn resumes there
+    covered = prompts["d"] + _alone(model, prompts["d"], 4)[0][:4]
+    assert pc.insert(torch.tensor([[*covered, 0]]), batch.cache_of("d"), covered=len(covered))
     assert pc.lookup(torch.tensor([[*covered, 3, 4]]), full_state=True).position == len(covered)
 
 
