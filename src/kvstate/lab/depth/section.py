@@ -10,7 +10,6 @@ per target with the measured value.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import matplotlib.pyplot as plt
 from kvstate.lab import stats
 from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row
+from kvstate.lab.training.io import read_state
 
 PAPER = "Stochastic KV routing: Random Cross-Layer Attention (R-CLA) for adaptive depth-wise KV cache sharing"
 
@@ -241,7 +241,7 @@ def _pilot(models_dir: Path, out_dir: Path) -> Figure | None:
     path = models_dir / SPECIALIST / "training_state.json"
     if not path.is_file():
         return None
-    state = json.loads(path.read_text())
+    state = read_state(path, ("curve[].step", "curve[].tokens"))
     depth = state.get("depth") or {}
     curve = [c for c in state.get("curve", []) if c["step"] > depth.get("start_step", 0) and c.get("exact")]
     if not curve:
@@ -269,7 +269,7 @@ def _trained_tokens(models_dir: Path, name: str) -> str:
     path = models_dir / name / "training_state.json"
     if name == BASE or not path.is_file():
         return "—"
-    state = json.loads(path.read_text())
+    state = read_state(path, ("tokens", "depth.start_tokens"))
     depth = state.get("depth")
     return f"{(state['tokens'] - depth['start_tokens']) / 1e6:.2f}M" if depth else "—"
 
@@ -282,7 +282,7 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
         path = models_dir / name / "training_state.json"
         if name == BASE or not path.is_file():
             continue
-        state = json.loads(path.read_text())
+        state = read_state(path, ("curve", "curve[].step", "curve[].loss", "depth.start_step"))
         depth = state.get("depth")
         if not depth:
             continue

@@ -8,7 +8,6 @@ learning curve read from its ``training_state.json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from kvstate.lab import protocol, stats
 from kvstate.lab.harness import load_reference, run_tasks
 from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, pivot, run_row
+from kvstate.lab.training.io import read_state
 
 TASKS = ["niah_single", "niah_multikey", "vt", "qa"]
 LENGTHS = [256, 512, 1024]
@@ -40,7 +40,7 @@ def reference_dirs(models_dir: Path) -> list[Path]:
 def _is_depth_run(p: Path) -> bool:
     """Fine-tunes of a reference model by ``kvstate depth train``: the depth section reports them."""
     state = p / "training_state.json"
-    return state.is_file() and "depth" in json.loads(state.read_text())
+    return state.is_file() and "depth" in read_state(state)
 
 
 def curve_figure(dirs: list[Path], out_dir: Path) -> Figure | None:
@@ -49,7 +49,7 @@ def curve_figure(dirs: list[Path], out_dir: Path) -> Figure | None:
     for d in dirs:
         state = d / "training_state.json"
         if state.is_file():
-            curves[d.name] = json.loads(state.read_text()).get("curve", [])
+            curves[d.name] = read_state(state, ("curve[].minutes", "curve[].length", "curve[].exact")).get("curve", [])
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
         return None

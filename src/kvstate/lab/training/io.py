@@ -6,13 +6,17 @@ Every save of :func:`kvstate.lab.training.train.train` builds the complete run d
 Periodic saves go to the hidden sibling :func:`partial_dir` of the output, the final save to the
 output itself, so a run that fails or is interrupted leaves a previous output untouched and whole
 and its own progress resumable from the partial directory. A model whose weights are not all
-finite is never saved.
+finite is never saved. Every reader of a ``training_state.json`` goes through :func:`read_state`, which
+refuses a file that is not a JSON object, has a field of the wrong type (anywhere: curve points, recorded
+commands, the depth record) or lacks a field the reader needs, with one :class:`TrainError` naming the file,
+the field and the fix.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +63,107 @@ def drop_partial(out: Path) -> None:
     shutil.rmtree(partial_dir(out), ignore_errors=True)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _num_map(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and _is_num(x) for k, x in v.items())
+
+
+# what each field of a training state holds wherever it appears ("[]": every item of a list); a field a
+# reader does not use may be absent, but one that is present has its type
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_is_int, "an integer"), "tokens": (_is_int, "an integer"), "seconds": (_is_num, "a number"),
+    "length": (_is_int, "an integer"), "params": (_is_int, "an integer"),
+    "curve": (lambda v: isinstance(v, list), "a list"), "stages": (lambda v: isinstance(v, list), "a list"),
+    "config": (lambda v: isinstance(v, dict), "an object"), "commands": (lambda v: isinstance(v, list), "a list"),
+    "depth": (lambda v: isinstance(v, dict), "an object"),
+    "curve[]": (lambda v: isinstance(v, dict), "an object"), "curve[].step": (_is_int, "an integer"),
+    "curve[].tokens": (_is_int, "an integer"), "curve[].minutes": (_is_num, "a number"),
+    "curve[].length": (_is_int, "an integer"), "curve[].loss": (_is_num, "a number"),
+    "curve[].exact": (_num_map, "an object of numbers"), "curve[].first_token": (_num_map, "an object of numbers"),
+    "commands[]": (lambda v: isinstance(v, dict), "an object"), "commands[].command": (lambda v: isinstance(v, str), "a string"),
+    "commands[].out": (lambda v: isinstance(v, str), "a string"),
+    "commands[].resume": (lambda v: v is None or isinstance(v, str), "a string or null"),
+    "commands[].from_step": (_is_int, "an integer"),
+    "depth.start": (lambda v: isinstance(v, str), "a string"), "depth.start_step": (_is_int, "an integer"),
+    "depth.start_tokens": (_is_int, "an integer"), "depth.parts": (lambda v: isinstance(v, list), "a list"),
+    "depth.parts[]": (lambda v: isinstance(v, dict), "an object"),
+    "depth.parts[].draw_counts": (_num_map, "an object of numbers"),
+    "config.arch": (lambda v: isinstance(v, str), "a string"),
+    **{f"config.{k}": (_is_int, "an integer") for k in ("max_length", "warmup_steps", "tokens_per_step", "seed")},
+    **{f"config.{k}": (_is_num, "a number") for k in ("lr", "shorter_share", "decay_fraction")},
+    "config.answer_share": (lambda v: v is None or _is_num(v), "a number or null"),  # None: the default weighting
+    "config.task_mix": (lambda v: v is None or _num_map(v), "an object of numbers or null"),  # None: the default mix
+}
+
+
+def _at(state: Any, path: str) -> list[tuple[str, Any]]:
+    """Every (where, container) holding the last field of ``path``, e.g. each curve point for ``curve[].step``."""
+    found: list[tuple[str, Any]] = [("", state)]
+    for part in path.split(".")[:-1]:
+        name, many = part.removesuffix("[]"), part.endswith("[]")
+        nxt = []
+        for where, obj in found:
+            value = obj.get(name) if isinstance(obj, dict) else None
+            if many and isinstance(value, list):
+                nxt += [(f"{where}{name}[{i}].", item) for i, item in enumerate(value)]
+            elif not many and isinstance(value, dict):
+                nxt.append((f"{where}{name}.", value))
+        found = nxt
+    return found
+
+
+def check_state(state: Any, path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
+    """``state`` (read from ``path``) if it is a training state whose present fields have their types and which
+    has every field in ``need`` (paths as in ``_FIELDS``, e.g. ``"curve[].step"``); else :class:`TrainError`."""
+    fix = (f"restore it (git checkout -- {path} for a committed model, or copy it from the run directory that "
+           "wrote it)")
+    if not isinstance(state, dict):
+        raise TrainError(f"{str(path)!r} is not a kvstate training state (a JSON {type(state).__name__}, not an "
+                         f"object); {fix}")
+    for field, (ok, kind) in _FIELDS.items():
+        last = field.rsplit(".", 1)[-1]
+        name, many = last.removesuffix("[]"), last.endswith("[]")
+        for where, obj in _at(state, field):
+            if not isinstance(obj, dict) or name not in obj:
+                if field in need:
+                    raise TrainError(f"{str(path)!r} is not a kvstate training state: {where}{name} is missing; {fix}")
+                continue
+            values = [(f"{where}{name}[{i}]", v) for i, v in enumerate(obj[name])] if many and isinstance(
+                obj[name], list) else [(f"{where}{name}", obj[name])] if not many else []
+            for at, value in values:
+                if not ok(value):
+                    raise TrainError(f"{str(path)!r} is not a kvstate training state: {at} is "
+                                     f"{json.dumps(value)[:40]}, not {kind}; {fix}")
+    return state
+
+
+def read_state(path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
+    """The training state in the file ``path``, checked by :func:`check_state`; :class:`TrainError` naming the file
+    and the fix when it is unreadable, not JSON or malformed."""
+    try:
+        state = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise TrainError(f"{str(path)!r} is not a readable JSON training state ({type(exc).__name__}: {exc}); "
+                         f"restore it (git checkout -- {path} for a committed model, or copy it from the run "
+                         "directory that wrote it)") from None
+    return check_state(state, path, need)
+
+
 def load_state(run_dir: str | Path) -> dict[str, Any]:
-    """The ``training_state.json`` of a training output directory."""
+    """The ``training_state.json`` of a training output directory (one to resume from)."""
     path = Path(run_dir) / STATE_FILE
     if not path.is_file():
         raise TrainError(f"resume directory {str(run_dir)!r} has no {STATE_FILE}; pass a directory written by "
                          "kvstate train --out (an interrupted run's progress is in its .<name>.partial sibling)")
-    try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-        kinds = {"step": int, "tokens": int, "seconds": (int, float), "length": int, "curve": list, "stages": list,
-                 "config": dict}
-        for key, kind in kinds.items():
-            if not isinstance(state[key], kind) or isinstance(state[key], bool):
-                raise TypeError(f"{key}={state[key]!r}")
-        if min(state["step"], state["tokens"], state["seconds"]) < 0 or not 16 <= state["length"] <= 2**20:
-            raise ValueError("negative step / tokens / seconds, or a length outside 16..2^20")
-        if not isinstance(state["config"].get("arch"), str):
-            raise KeyError("config.arch")
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        raise TrainError(f"{str(path)!r} is not a kvstate training state ({type(exc).__name__}: {exc}); resume from "
-                         "an intact run directory") from None
+    state = read_state(path, ("step", "tokens", "seconds", "length", "curve", "stages", "config", "config.arch"))
+    if min(state["step"], state["tokens"], state["seconds"]) < 0 or not 16 <= state["length"] <= 2**20:
+        raise TrainError(f"{str(path)!r} is not a kvstate training state (negative step / tokens / seconds, or a "
+                         "length outside 16..2^20); resume from an intact run directory")
     return state

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.lab.provenance import read_runs
+from kvstate.lab.training.io import STATE_FILE, read_state
 
 
 def _weight_drift(model_dir: Path, base_dir: Path) -> list[tuple[str, float]]:
@@ -50,13 +51,14 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
                   command: str) -> str:
     """Markdown card of ``model_dir`` fine-tuned from ``base_dir`` (``command``: how the fine-tune was run)."""
     model_dir, base_dir = Path(model_dir), Path(base_dir)
-    try:
-        state = json.loads((model_dir / "training_state.json").read_text())
-        base = json.loads((base_dir / "training_state.json").read_text())
-        for key in ("config", "curve", "step", "seconds", "tokens"):
-            state[key], base[key]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise KVStateError(f"card: need training_state.json in {model_dir} and {base_dir}: {exc}") from None
+    for d in (model_dir, base_dir):
+        if not (d / STATE_FILE).is_file():
+            raise KVStateError(f"card: {d} has no {STATE_FILE}; pass run directories written by kvstate train")
+    need = ("config", "curve", "step", "seconds", "tokens", "curve[].step", "curve[].minutes", "curve[].loss",
+            "curve[].exact", "curve[].first_token", "config.max_length", "config.lr", "config.warmup_steps",
+            "config.decay_fraction", "config.answer_share", "config.task_mix")
+    state = read_state(model_dir / STATE_FILE, need)
+    base = read_state(base_dir / STATE_FILE, ("curve", "step", "seconds", "tokens"))
     cfg = state["config"]
     curve = [p for p in state["curve"] if p["step"] > base["step"]]
     minutes = (state["seconds"] - base["seconds"]) / 60
