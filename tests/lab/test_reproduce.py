@@ -82,3 +82,48 @@ def test_only_takes_a_comma_separated_list_or_repeats(monkeypatch):
     bad = runner.invoke(app, ["lab", "reproduce", "--dry-run", "--only", "depth,,prefix"])
     assert bad.exit_code != 0 and isinstance(bad.exception, KVStateError) and "empty item" in str(bad.exception)
     assert len(seen) == 2  # refused before any job was planned
+
+
+def test_retrain_reads_and_writes_only_recorded_parts_in_the_scratch_folder(tmp_path, capsys):
+    from kvstate.cli import main
+
+    a = {"command": "kvstate train --arch attn --out runs/a --minutes 5", "out": "runs/a", "resume": None, "from_step": 0}
+    b = {"command": "kvstate train --arch attn --out runs/b --resume runs/a --minutes 5", "out": "runs/b",
+         "resume": "runs/a", "from_step": 50}
+    scratch = tmp_path / "scratch"
+    _state(tmp_path / "m", [a, b])
+    parts = T.plan(tmp_path / "m", scratch=scratch)  # each recorded output gets its own scratch folder
+    assert [p.out for p in parts] == [scratch / "a", scratch / "b"]
+    assert parts[1].replay.split()[-4:-2] == ["--resume", str(scratch / "a")]
+    # part 2 resumed a hand-made copy (runs/a1) that no recorded part wrote: refused, naming it
+    _state(tmp_path / "copied", [a, {**b, "command": b["command"].replace("runs/a ", "runs/a1 "), "resume": "runs/a1"}])
+    with pytest.raises(KVStateError, match=r"part 2 resumes from runs/a1, which no earlier recorded part wrote.*"
+                                           r"outside the scratch folder"):
+        T.plan(tmp_path / "copied", scratch=scratch)
+    with pytest.raises(SystemExit) as done:
+        main(["lab", "retrain", str(tmp_path / "copied"), "--scratch", str(scratch), "--dry-run"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and len(err.splitlines()) == 1 and "runs/a1" in err
+    # a command whose --out is not its recorded output would write outside the scratch folder
+    _state(tmp_path / "elsewhere", [{**a, "command": "kvstate train --arch attn --out /tmp/elsewhere"}])
+    with pytest.raises(KVStateError, match="part 1 would write /tmp/elsewhere, outside the scratch folder"):
+        T.plan(tmp_path / "elsewhere", scratch=scratch)
+    with pytest.raises(KVStateError, match="overlaps the committed model"):
+        T.plan(tmp_path / "m", scratch=tmp_path / "m" / "retrain")
+
+
+def test_retrain_plans_of_the_committed_models(capsys):
+    from kvstate.cli import main
+
+    ft2 = R.REPO / "models" / "ref-attn-ft2"
+    if (ft2 / "training_state.json").is_file():  # its part 2 resumed a copy of part 1's periodic save
+        with pytest.raises(SystemExit) as done:
+            main(["lab", "retrain", str(ft2), "--dry-run"])
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and len(err.splitlines()) == 1 and "resumes from runs/ft2-a1" in err
+    rcla = R.REPO / "models" / "ref-attn-rcla"
+    if (rcla / "training_state.json").is_file():  # two parts of one run: both replayed into one scratch folder
+        scratch = R.REPO / "runs" / "retrain" / "ref-attn-rcla"
+        parts = T.plan(rcla)
+        assert len(parts) == 2 and all(p.out == scratch for p in parts)
+        assert not any(a.startswith("runs/") for p in parts for a in p.replay.split())  # no recorded path left
