@@ -81,4 +81,4 @@ def run_job(command: str, *, cwd: str | Path, env: Mapping[str, str] | None = No
             signal.signal(s, handler)
 
 
-__all__ = ["GRACE_S", "run_job"]
+__all__ = ["run_job"]

@@ -119,7 +119,7 @@ def _at(state: Any, path: str) -> list[tuple[str, Any]]:
     return found
 
 
-def check_state(state: Any, path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
+def _check_state(state: Any, path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
     """``state`` (read from ``path``) if it is a training state whose present fields have their types and which
     has every field in ``need`` (paths as in ``_FIELDS``, e.g. ``"curve[].step"``); else :class:`TrainError`."""
     fix = (f"restore it (git checkout -- {path} for a committed model, or copy it from the run directory that "
@@ -145,7 +145,7 @@ def check_state(state: Any, path: str | Path, need: Sequence[str] = ()) -> dict[
 
 
 def read_state(path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
-    """The training state in the file ``path``, checked by :func:`check_state`; :class:`TrainError` naming the file
+    """The training state in the file ``path``, checked by :func:`_check_state`; :class:`TrainError` naming the file
     and the fix when it is unreadable, not JSON or malformed."""
     try:
         state = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -153,7 +153,7 @@ def read_state(path: str | Path, need: Sequence[str] = ()) -> dict[str, Any]:
         raise TrainError(f"{str(path)!r} is not a readable JSON training state ({type(exc).__name__}: {exc}); "
                          f"restore it (git checkout -- {path} for a committed model, or copy it from the run "
                          "directory that wrote it)") from None
-    return check_state(state, path, need)
+    return _check_state(state, path, need)
 
 
 def load_state(run_dir: str | Path) -> dict[str, Any]:
