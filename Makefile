@@ -8,7 +8,7 @@ OUT ?= report
 # pure modules (no torch): mypy --strict
 PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py) src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py
 
-.PHONY: setup demo test lint bench reproduce clean
+.PHONY: setup demo test lint bench reproduce clean clients
 
 $(STAMP): pyproject.toml
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
@@ -49,6 +49,20 @@ bench: $(STAMP)
 # regenerate every committed result the report reads (not the weights); resumable, prints an estimate first
 reproduce: $(STAMP) $(KVPRESS)
 	OMP_NUM_THREADS=1 $(BIN)/kvstate lab reproduce
+
+# the standard load clients the serving benchmarks drive, each in its own environment (never a library dependency):
+# GuideLLM (Python 3.11) and inference-perf (needs Python >= 3.12: python3.12 on PATH or pyenv's)
+PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d /root/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+clients: .venv-guidellm/.installed .venv-infperf/.installed
+.venv-guidellm/.installed:
+	test -x .venv-guidellm/bin/python || $(PY) -m venv .venv-guidellm
+	.venv-guidellm/bin/pip install -q 'guidellm>=0.3'
+	touch $@
+.venv-infperf/.installed:
+	@test -n "$(PY312)" || { echo "inference-perf needs Python >= 3.12: install python3.12 or pass PY312=/path/to/python3.12"; exit 2; }
+	test -x .venv-infperf/bin/python || $(PY312) -m venv .venv-infperf
+	.venv-infperf/bin/pip install -q 'inference-perf>=0.7'
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(OUT) .pytest_cache
