@@ -83,9 +83,9 @@ def _worker_error(exc: BaseException) -> RequestError:
 
 class BodyLimit:
     """ASGI middleware: a request body over ``limit`` bytes is answered 413 (OpenAI's error object) before it is
-    read in full — a declared Content-Length at once, a chunked body as soon as its count passes the limit — so a
-    huge body is never held nor parsed. The connection stays open: the server discards the rest as it arrives
-    (closing it with the body unread would reset it, and a client still sending would never see the 413)."""
+    read in full (a declared Content-Length at once, a chunked body as soon as its count passes the limit), then
+    closes the connection, so the rest is neither held nor read: a huge body costs the server nothing. A client
+    still sending sees its write fail and reads the 413 already sent (httpx, hence openai's client, does)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -123,7 +123,7 @@ class BodyLimit:
         message = (f"the request body is over {self.limit:,} bytes (--max-body-bytes {self.limit}); send a shorter "
                    "prompt, or start the server with a larger --max-body-bytes")
         response = JSONResponse(error_body(message, "invalid_request_error", None, "request_too_large"),
-                                status_code=413)
+                                status_code=413, headers={"Connection": "close"})
         await response(scope, receive, send)
 
 
