@@ -194,6 +194,8 @@ def test_cache_of_a_pure_recurrent_row_is_sealed_at_its_length():
     prompts = _prompts(model)
     res = SparsePrefixCache(model, budget_bytes=64 * MiB, align=8).prefill(torch.tensor([prompts["c"]]), full_state=True)
     batch = DecodeBatch(model)
+    with pytest.raises(KVStateError, match="holds the state after 9 tokens, not 8; pass length=9"):
+        batch.add("c", res.cache, 8)
     batch.add("c", res.cache, 9)
     assert batch.padded_length == 0
     batch.step({"c": 4})
