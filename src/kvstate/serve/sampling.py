@@ -7,7 +7,7 @@ Language Model Serving with PagedAttention", Kwon et al., SOSP 2023) and the Ope
 2. ``repetition_penalty`` as in CTRL ("CTRL: A Conditional Transformer Language Model for Controllable
    Generation", Keskar et al., 2019) and HF / vLLM: the logit of every token already in prompt + output is
    divided by the penalty when positive and multiplied by it when negative;
-3. ``temperature == 0``: greedy (argmax of the penalized logits; top-k / top-p do not apply);
+3. ``temperature == 0`` (below 1e-5, as in vLLM): greedy (argmax of the penalized logits; top-k / top-p do not apply);
    otherwise the logits are divided by the temperature, then top-k, then top-p (nucleus sampling, "The
    Curious Case of Neural Text Degeneration", Holtzman et al., ICLR 2020) keep the smallest set of most
    likely tokens, and one token is drawn from what is left;
@@ -35,6 +35,7 @@ import torch
 from kvstate.errors import KVStateError
 
 MAX_LOGPROBS = 20  # the OpenAI API's limit on top_logprobs
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (dividing by it would overflow)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def _number(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> None:
