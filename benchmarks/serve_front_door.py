@@ -8,10 +8,12 @@ and measures, after a warm-up request:
   sent one after another, and at the end of the run;
 - per repeat: the time to refuse one 20 MB body as a client that sends it all before reading (``httpx``), and
   as one that reads while still sending (a raw socket: headers and the first 64 KiB);
-- per repeat, interleaved (which goes first alternates): one streamed completion's median gap between
-  tokens alone, and while another client sends 20 MB bodies back to back.
+- per repeat, interleaved (which goes first rotates): one streamed completion's median gap between tokens
+  alone, while another client (a process of its own) sends 20 MB bodies to the server back to back, and, the
+  control, while that client sends them to a sink that answers 413 without a model (what the flooding client's
+  own CPU costs the stream on a small machine, whatever the server does).
 
-Reported: medians over repeats with their min–max spread, and the ratio of the gaps (with / without).
+Reported: medians over repeats with their min–max spread, and the ratios of the gaps (with / without).
 Targets: refused in < 1 s; the gap within 2x; RSS after the bodies within 10 % of before. Prints progress and
 a table on stderr and one JSON line on stdout; ``--out FILE`` appends the run with its provenance
 (:mod:`kvstate.lab.provenance`). Usage: ``python benchmarks/serve_front_door.py [--model models/ref-hybrid]
@@ -147,12 +149,25 @@ def _flood(url: str, body: bytes, done: Any, sent: Any, failed: Any) -> None:
             counter.value += 1
 
 
-def gap_with_bodies(url: str, model_id: str, prompt: str, max_tokens: int, body: bytes) -> tuple[float, int, int]:
-    """The stream's median gap while another client (a process of its own) sends 20 MB bodies back to back, and
-    how many of them were refused 413 and how many failed otherwise."""
+def _sink(sock: socket.socket) -> None:
+    """The control's target: answers each request's headers with a 413 and closes, as the server does, no model."""
+    reply = b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    while True:
+        conn, _ = sock.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := conn.recv(65536)):
+                data += chunk
+            conn.sendall(reply)
+
+
+def gap_with_bodies(url: str, model_id: str, prompt: str, max_tokens: int, body: bytes,
+                    target: str | None = None) -> tuple[float, int, int]:
+    """The stream's median gap while another client (a process of its own) sends 20 MB bodies back to back to the
+    server (or to ``target``), and how many of them were refused 413 and how many failed otherwise."""
     ctx = multiprocessing.get_context("fork")
     done, sent, failed = ctx.Event(), ctx.Value("i", 0), ctx.Value("i", 0)
-    flood = ctx.Process(target=_flood, args=(url, body, done, sent, failed), daemon=True)
+    flood = ctx.Process(target=_flood, args=(target or url, body, done, sent, failed), daemon=True)
     flood.start()
     deadline = time.monotonic() + 30
     while sent.value + failed.value < 1 and time.monotonic() < deadline:  # the flood is under way
@@ -183,6 +198,10 @@ def main() -> None:
                              "threads": os.environ.get("OMP_NUM_THREADS", "1")})
     model_id = a.model.resolve().name
     body = big_body(model_id, a.body_mb)
+    sink_socket = socket.create_server(("127.0.0.1", 0))
+    sink = multiprocessing.get_context("fork").Process(target=_sink, args=(sink_socket,), daemon=True)
+    sink.start()
+    sink_url = f"http://127.0.0.1:{sink_socket.getsockname()[1]}"
     server = Server(a.model)
     try:
         # warm up, and pick a prompt whose greedy reply streams the longest
@@ -195,24 +214,28 @@ def main() -> None:
             refuse_httpx(server.url, body)
             print(f"body {i + 1}/{a.bodies} refused", file=sys.stderr)
         rss_after = server.rss_bytes()
-        refuse_s, early_s, alone, loaded, flood_bodies, flood_failed = [], [], [], [], [], []
+        refuse_s, early_s, alone, loaded, control, flood_bodies, flood_failed = [], [], [], [], [], [], []
         for r in range(a.repeats):
             refuse_s.append(refuse_httpx(server.url, body))
             early_s.append(refuse_early(server.port, len(body)))
-            for which in (("alone", "loaded") if r % 2 == 0 else ("loaded", "alone")):
+            conditions = ["alone", "loaded", "control"]
+            for which in conditions[r % 3:] + conditions[: r % 3]:  # each goes first in turn
                 if which == "alone":
                     alone.append(median_gap(stream(server.url, model_id, prompt, a.max_tokens)))
-                else:
+                elif which == "loaded":
                     gap, n, bad = gap_with_bodies(server.url, model_id, prompt, a.max_tokens, body)
                     loaded.append(gap)
                     flood_bodies.append(n)
                     flood_failed.append(bad)
+                else:
+                    control.append(gap_with_bodies(server.url, model_id, prompt, a.max_tokens, body, sink_url)[0])
             print(f"repeat {r + 1}/{a.repeats}: refused in {refuse_s[-1]:.3f} s ({early_s[-1]:.4f} s reading early); "
-                  f"gap {alone[-1] * 1e3:.1f} ms alone, {loaded[-1] * 1e3:.1f} ms with {flood_bodies[-1]} bodies",
-                  file=sys.stderr)
+                  f"gap {alone[-1] * 1e3:.1f} ms alone, {loaded[-1] * 1e3:.1f} ms with {flood_bodies[-1]} bodies, "
+                  f"{control[-1] * 1e3:.1f} ms with bodies sent elsewhere", file=sys.stderr)
         rss_end = server.rss_bytes()
     finally:
         server.close()
+        sink.kill()
     ratios = [x / y for x, y in zip(loaded, alone, strict=True)]
     result = {
         "benchmark": "serve_front_door",
@@ -227,6 +250,10 @@ def main() -> None:
         "gap_with_bodies_s": spread(loaded),
         "gap_ratio": statistics.median(loaded) / statistics.median(alone),
         "gap_ratio_per_repeat": spread(ratios),
+        # the same flood sent to a sink that answers 413 without a model: what the flooding client's own CPU costs
+        # the stream on this machine, whatever the server does
+        "gap_control_s": spread(control),
+        "gap_ratio_control": statistics.median(control) / statistics.median(alone),
         "bodies_during_stream": spread([float(n) for n in flood_bodies]),
         "bodies_during_stream_not_413": sum(flood_failed),  # the flooding client saw an error instead of the 413
         "rss_before_bytes": rss_before,
@@ -234,7 +261,7 @@ def main() -> None:
         "rss_bodies": a.bodies,
         "rss_ratio": rss_after / rss_before,
         "rss_end_bytes": rss_end,
-        "bodies_total": 1 + a.bodies + 2 * a.repeats + sum(flood_bodies),
+        "bodies_total": 1 + a.bodies + 2 * a.repeats + sum(flood_bodies) + sum(flood_failed),
         "targets": {
             "refused_under_1s": statistics.median(refuse_s) < 1.0,
             "gap_within_2x": statistics.median(loaded) / statistics.median(alone) <= 2.0,
@@ -249,10 +276,11 @@ def main() -> None:
     for name, unit, scale, s in (("refuse 20 MB (client sends it all)", "s", 1, result["refuse_s"]),
                                  ("refuse 20 MB (client reads early)", "s", 1, result["refuse_reading_early_s"]),
                                  ("stream gap alone", "ms", 1e3, result["gap_alone_s"]),
-                                 ("stream gap with 20 MB bodies", "ms", 1e3, result["gap_with_bodies_s"])):
+                                 ("stream gap with 20 MB bodies", "ms", 1e3, result["gap_with_bodies_s"]),
+                                 ("stream gap, bodies sent elsewhere", "ms", 1e3, result["gap_control_s"])):
         print(f"{name + ' (' + unit + ')':<38} {s['median'] * scale:>10.4f} {s['min'] * scale:>10.4f} "
               f"{s['max'] * scale:>10.4f}", file=sys.stderr)
-    print(f"gap ratio {result['gap_ratio']:.2f}x; RSS {rss_before / mib:.1f} MiB before, {rss_after / mib:.1f} MiB "
+    print(f"gap ratio {result['gap_ratio']:.2f}x (control {result['gap_ratio_control']:.2f}x); RSS {rss_before / mib:.1f} MiB before, {rss_after / mib:.1f} MiB "
           f"after {a.bodies} bodies ({result['rss_ratio']:.3f}x), {rss_end / mib:.1f} MiB after "
           f"{result['bodies_total']} in all; targets {result['targets']}", file=sys.stderr)
     print(json.dumps({**result, "provenance": prov}))
