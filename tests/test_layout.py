@@ -23,6 +23,7 @@ TRANSFORMERS_ELSEWHERE = {
     "transfer/states.py": "builds the consumer's DynamicCache from decoded K/V",
     "serve/server.py": "loads the served model's tokenizer (AutoTokenizer) and config",
     "serve/generation.py": "reads the served model's config and cache classes while generating",
+    "serve/batching.py": "holds the running batch in one transformers DynamicCache(config=...) the model decodes into",
 }
 
 
