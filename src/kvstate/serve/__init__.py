@@ -10,7 +10,8 @@ Why FastAPI + uvicorn: the OpenAI request and error shapes are pydantic models v
 boundary (FastAPI's own request parsing), streaming responses and client-disconnect detection come from
 Starlette, and uvicorn is the ASGI server most Python inference servers (vLLM, SGLang) ship with — a
 well-kept stack instead of a hand-written HTTP layer. One model serves one request at a time from a
-bounded queue (:mod:`kvstate.serve.scheduler`); the event loop only parses, tokenizes and streams.
+bounded queue (:mod:`kvstate.serve.scheduler`); the event loop only parses and streams (a body over
+``--max-body-bytes`` is refused 413 before it is read; prompts are tokenized in a worker thread).
 
 Modules: ``config`` (:class:`ServeConfig`), ``protocol`` (request models, error shape), ``chat`` (chat
 template and message-end positions), ``text`` (incremental detokenization with stop strings),

@@ -127,3 +127,8 @@ def test_a_remote_that_answers_starts_without_a_word(loads: Loads, capsys: pytes
                                                      tmp_path: Any, redis_server: RedisServer) -> None:  # noqa: F811
     code, err = _serve(capsys, tmp_path, "--remote", redis_server.url)
     assert code == 0 and err == [] and len(loads.served) == 1 and loads.served[0][1].remote == redis_server.url
+
+
+def test_max_body_bytes_reaches_the_server(loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    code, _ = _serve(capsys, tmp_path, "--max-body-bytes", "1000")
+    assert code == 0 and loads.served[0][1].max_body_bytes == 1000
