@@ -22,7 +22,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvstate.errors import KVStateError
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.engine import SparsePrefixCache
-from kvstate.serve import chat, metrics
+from kvstate.serve import chat, logprobs, metrics
 from kvstate.serve.config import ServeConfig
 from kvstate.serve.generation import Generation, GenerationRequest, Generator
 from kvstate.serve.protocol import (
@@ -180,7 +179,8 @@ class _Handlers:
             prompt = prompt[0]
         if isinstance(prompt, str):
             check_unicode("prompt", prompt, "prompt")
-            ids = list(self.tok(prompt)["input_ids"])
+            add = True if req.add_special_tokens is None else req.add_special_tokens
+            ids = list(self.tok(prompt, add_special_tokens=add)["input_ids"])
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.gen.vocab_size]
@@ -189,17 +189,29 @@ class _Handlers:
                                    param="prompt")
         if not ids:
             raise RequestError("prompt: empty; send at least one token", param="prompt")
-        max_tokens = self.limits(ids, req.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
-        return GenerationRequest(tuple(ids), max_tokens, stops)
+        param, asked = self.max_tokens_of(req)
+        max_tokens = self.limits(ids, asked, param, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        return GenerationRequest(tuple(ids), max_tokens, stops, sampling=req.sampling(self.gen.default_sampling, max_tokens),
+                                 skip_special_tokens=req.skip_special_tokens)
+
+    def max_tokens_of(self, req: CompletionRequest | ChatRequest) -> tuple[str, int | None]:
+        """The reply-length field the request used and its value (``max_tokens`` or ``max_completion_tokens``)."""
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise RequestError("max_tokens and max_completion_tokens differ; pass one of them",
+                               param="max_completion_tokens")
+        if req.max_completion_tokens is not None:
+            return "max_completion_tokens", req.max_completion_tokens
+        return "max_tokens", req.max_tokens
 
     def chat(self, req: ChatRequest) -> GenerationRequest:
         self.check_model(req.model)
         req.check_sampling()
         stops = req.stops()
-        if req.max_tokens is not None and req.max_completion_tokens is not None \
-                and req.max_tokens != req.max_completion_tokens:
-            raise RequestError("max_tokens and max_completion_tokens differ; pass one of them",
-                               param="max_completion_tokens")
+        if req.add_special_tokens:
+            raise RequestError("add_special_tokens=true is not served for chat: the chat template places the special "
+                               "tokens; omit it", param="add_special_tokens")
+        param, asked = self.max_tokens_of(req)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         for i, m in enumerate(messages):
@@ -208,12 +220,12 @@ class _Handlers:
         ids = chat.render(self.tok, self.template, messages, generation_prompt=True)
         if not ids:
             raise RequestError("messages: the chat template renders them to no tokens", param="messages")
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.limits(ids, asked, param,
                                  self.config.default_max_tokens, "messages")
         ends = chat.message_ends(self.tok, self.template, messages, ids) if self.gen.accepts_boundaries else []
-        return GenerationRequest(tuple(ids), max_tokens, stops, tuple(ends))
+        return GenerationRequest(tuple(ids), max_tokens, stops, tuple(ends),
+                                 sampling=req.sampling(self.gen.default_sampling, max_tokens),
+                                 skip_special_tokens=req.skip_special_tokens)
 
     # -- hand-off ----------------------------------------------------------------------------------
     def check_room(self) -> None:
@@ -227,14 +239,9 @@ class _Handlers:
         self.counters.outcome("queue_full")
         return RequestError(str(exc), status=503, kind="server_error", code="queue_full")
 
-    def _work(self, gr: GenerationRequest, emit: Callable[[str], None], cancelled: Callable[[], bool]) -> Generation:
-        g = self.gen.run(gr, emit, cancelled)
-        self.counters.generation(g)
-        return g
-
     def submit(self, gr: GenerationRequest) -> Job:
         try:
-            return self.scheduler.submit(partial(self._work, gr))
+            return self.scheduler.submit(gr)
         except QueueFull as exc:  # filled up while this request was checked
             raise self._busy(exc) from None
 
@@ -261,16 +268,23 @@ class _Handlers:
 
     async def stream(self, job: Job, chunk: Callable[[str | None, str | None], dict[str, Any]],
                      usage: Callable[[Generation], dict[str, Any]] | None,
-                     first: dict[str, Any] | None) -> AsyncIterator[str]:
+                     first: dict[str, Any] | None, continuous_usage: bool = False) -> AsyncIterator[str]:
+        prompt = len(job.request.prompt_ids)
+
+        def counted(c: dict[str, Any], done: int) -> dict[str, Any]:  # vLLM's continuous_usage_stats
+            if continuous_usage:
+                c = {**c, "usage": {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}}
+            return c
+
         try:
             if first is not None:
-                yield _sse(first)
+                yield _sse(counted(first, 0))
             while True:
                 kind, payload = await job.events.get()
                 if kind == "delta":
-                    yield _sse(chunk(payload, None))
+                    yield _sse(counted(chunk(payload.text, None), payload.completion_tokens))
                 elif kind == "done":
-                    yield _sse(chunk(None, payload.finish_reason))
+                    yield _sse(counted(chunk(None, payload.finish_reason), payload.completion_tokens))
                     if usage is not None:
                         yield _sse(usage(payload))
                     yield DONE
@@ -289,10 +303,12 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
     """The server for one loaded model and its tokenizer (see :func:`kvstate.serve.server.run`)."""
     cache = None
     if config.budget_bytes is not None:
-        cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes, remote=config.remote))
+        cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes, remote=config.remote,
+                                                           remote_key_file=config.remote_key_file))
     generator = Generator(model, tokenizer, cache)
     counters = metrics.ServerCounters()
-    scheduler = Scheduler(config.max_queue, on_job_end=counters.outcome)
+    scheduler = Scheduler(config.max_queue, generator, config.policy, on_job_end=counters.outcome,
+                          on_generation=counters.generation)
     registry = metrics.registry(generator, scheduler, counters)
     h = _Handlers(generator, tokenizer, config, scheduler, counters)
     created = int(time.time())
@@ -361,12 +377,13 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
                 return {**top, "choices": [{"index": 0, "text": text or "", "logprobs": None,
                                             "finish_reason": finish}]}
 
-            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), None))
+            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), None, _continuous(body)))
         try:
             g = await h.result(request, job)
         except _ClientGone:
             return Response(status_code=499)
-        return {**head("text_completion"), "choices": [{"index": 0, "text": g.text, "logprobs": None,
+        lp = logprobs.completion(h.tok, g) if body.logprobs is not None else None
+        return {**head("text_completion"), "choices": [{"index": 0, "text": g.text, "logprobs": lp,
                                                         "finish_reason": g.finish_reason}], "usage": _usage(g)}
 
     @app.post("/v1/chat/completions")
@@ -382,16 +399,21 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
             first = {**top, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}]}
-            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), first))
+            return _streaming(h.stream(job, chunk, _usage_chunk(top, body), first, _continuous(body)))
         try:
             g = await h.result(request, job)
         except _ClientGone:
             return Response(status_code=499)
         message = {"role": "assistant", "content": g.text}
-        return {**head("chat.completion"), "choices": [{"index": 0, "message": message, "logprobs": None,
+        lp = logprobs.chat(h.tok, g) if body.logprobs else None
+        return {**head("chat.completion"), "choices": [{"index": 0, "message": message, "logprobs": lp,
                                                         "finish_reason": g.finish_reason}], "usage": _usage(g)}
 
     return app
+
+
+def _continuous(body: CompletionRequest | ChatRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.continuous_usage_stats
 
 
 def _usage_chunk(top: dict[str, Any], body: CompletionRequest | ChatRequest

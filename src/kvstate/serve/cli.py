@@ -23,11 +23,22 @@ def serve_command(
                                                "redis://HOST:PORT/DB (KV and states written through, read on a miss).")] = None,
     remote_optional: Annotated[bool, typer.Option("--remote-optional", help="Start local-only, with a warning, when "
                                                   "--remote does not answer at startup (else exit 2).")] = False,
+    remote_key_file: Annotated[Path | None, typer.Option("--remote-key-file", help="A file holding the cluster key "
+                                                         "that signs the shared tier's entries (HMAC); default: "
+                                                         "$KVSTATE_REMOTE_KEY, else the tier is trusted as is.")] = None,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="Requests decoded together "
+                                           "(continuous batching).")] = 8,
+    max_tokens_per_step: Annotated[int, typer.Option("--max-tokens-per-step", min=1, help="Prompt tokens prefilled "
+                                                     "between two decode steps of the running batch.")] = 512,
+    policy: Annotated[str, typer.Option("--policy", help="Admission order: fifo or longest-prefix (the request "
+                                        "with the longest prefix-cache hit first).")] = "fifo",
 ) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
     cache under every request."""
     from kvstate.errors import KVStateError
+    from kvstate.prefix.shared_tier import load_key
     from kvstate.serve.config import ServeConfig
+    from kvstate.serve.policy import BatchPolicy
     from kvstate.serve.server import run
 
     if served_name is not None and not served_name.strip():
@@ -41,5 +52,9 @@ def serve_command(
         max_queue=max_queue,
         remote=remote,
         max_body_bytes=max_body_bytes,
+        remote_key_file=None if remote_key_file is None else str(remote_key_file),
+        policy=BatchPolicy(policy, max_batch, max_tokens_per_step),
     )
+    if remote is not None:
+        load_key(config.remote_key_file)  # a bad key file is one line before the model loads
     run(model, config, host=host, port=port, remote_optional=remote_optional)

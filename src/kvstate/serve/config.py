@@ -1,12 +1,13 @@
-"""The server's one configuration (pure): model name, prefix-cache budget and shared tier, queue bound, request
-body limit, default reply length."""
+"""The server's one configuration (pure): model name, prefix-cache budget and shared tier (and its key), queue
+bound, batching policy, request body limit, default reply length."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstate.errors import KVStateError
 from kvstate.prefix.remote import check_remote_url
+from kvstate.serve.policy import BatchPolicy
 from kvstate.validate import check_int
 
 
@@ -19,6 +20,8 @@ class ServeConfig:
     chat_template: str | None = None  # a Jinja chat template overriding the tokenizer's (and the default)
     remote: str | None = None  # the prefix cache's shared tier, "redis://host:port/db" (replicas share prefixes)
     max_body_bytes: int = 4 << 20  # a request body over this is answered 413 before it is read in full
+    remote_key_file: str | None = None  # the shared tier's cluster key (None: $KVSTATE_REMOTE_KEY, else unkeyed)
+    policy: BatchPolicy = field(default_factory=BatchPolicy)  # admission order, batch size, prefill chunk
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -34,6 +37,10 @@ class ServeConfig:
         check_int("max_body_bytes", self.max_body_bytes, 1, 1 << 40, error=KVStateError,
                   hint="; pass the largest request body to accept, in bytes")
         check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
+        if self.remote_key_file is not None and self.remote is None:
+            raise KVStateError("remote_key_file: a key signs the shared tier's entries; pass --remote too, or drop the key")
+        if not isinstance(self.policy, BatchPolicy):
+            raise KVStateError(f"policy: must be a BatchPolicy, got {type(self.policy).__name__}")
 
     @property
     def cache_enabled(self) -> bool:

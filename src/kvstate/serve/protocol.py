@@ -3,17 +3,27 @@
 Requests are validated at the boundary: a field of the wrong type, an unknown field, a malformed body
 become one :class:`RequestError` rendered as OpenAI's ``{"error": {"message", "type", "param", "code"}}``
 with a 4xx status; text that is not valid Unicode (a lone surrogate, which JSON can carry) is refused naming its
-field. Fields OpenAI defines but this server cannot honour (sampling with temperature > 0,
-``n > 1``) are refused by name rather than ignored. Ignores: tools, logprobs, response formats.
+field. Fields OpenAI defines but this server cannot honour (``n > 1``, non-zero presence / frequency
+penalties, ``echo``, logprobs while streaming) are refused by name rather than ignored.
+
+Accepted with their meaning (OpenAI's and vLLM's, which every benchmark client sends): ``temperature``,
+``top_p``, ``top_k``, ``seed``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``skip_special_tokens``, ``add_special_tokens``, ``max_completion_tokens``, ``logprobs`` (completions:
+a count; chat: ``logprobs`` + ``top_logprobs``), ``stream_options.include_usage`` and
+``stream_options.continuous_usage_stats``. Accepted and ignored (:data:`IGNORED_FIELDS`: they change
+nothing a single-choice server computes): ``user``, ``store``, ``metadata``, ``service_tier``. Any other
+field is a 400 naming it. Ignores: tools, response formats.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstate.errors import KVStateError
+from kvstate.serve.sampling import SamplingParams
 
 
 class RequestError(KVStateError):
@@ -53,8 +63,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier")  # accepted, documented, no effect
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class _Sampling(_Strict):
@@ -65,9 +79,21 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     temperature: float | int | None = None
     top_p: float | int | None = None
+    top_k: int | None = None  # vLLM; 0 or -1: off
     n: int | None = None
-    seed: int | None = None  # accepted: greedy decoding is deterministic anyway
-    user: str | None = None
+    seed: int | None = None
+    repetition_penalty: float | int | None = None  # vLLM
+    presence_penalty: float | int | None = None  # only 0 is served
+    frequency_penalty: float | int | None = None  # only 0 is served
+    min_tokens: int | None = None  # vLLM: end-of-sequence banned before this many tokens
+    ignore_eos: bool = False  # vLLM: an end-of-sequence token does not end the reply
+    skip_special_tokens: bool = True  # vLLM
+    add_special_tokens: bool | None = None  # vLLM: the tokenizer's special tokens around a text prompt
+    max_completion_tokens: int | None = None
+    user: str | None = None  # accepted and ignored (IGNORED_FIELDS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -77,22 +103,68 @@ class _Sampling(_Strict):
             check_unicode("stop", s, "stop")
         return stops
 
+    def top_logprobs_asked(self) -> int | None:
+        """Top logprobs per token the request asks for (None: no logprobs)."""
+        return None
+
     def check_sampling(self) -> None:
         if self.n not in (None, 1):
             raise RequestError(f"n={self.n}: this server returns one choice per request; pass n=1 or omit it",
                                param="n")
-        if self.temperature not in (None, 0):
-            raise RequestError(f"temperature={self.temperature}: this server decodes greedily; pass temperature=0 "
-                               "or omit it", param="temperature")
-        if self.top_p not in (None, 1):
-            raise RequestError(f"top_p={self.top_p}: this server decodes greedily; pass top_p=1 or omit it",
-                               param="top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise RequestError(f"{name}={getattr(self, name)}: this server does not apply it; pass 0 or omit "
+                                   "it (repetition_penalty is served)", param=name)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
+        if self.stream and self.top_logprobs_asked() is not None:
+            raise RequestError("logprobs are returned for stream=false only; drop logprobs or stream",
+                               param="logprobs")
+
+    def sampling(self, default: SamplingParams, max_tokens: int) -> SamplingParams | None:
+        """The request's sampling on top of the model's ``default``; None when it sets nothing (the default
+        applies). A value out of range is a 400 naming the field."""
+        fields: dict[str, Any] = {}
+        if self.temperature is not None:
+            fields["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            fields["top_p"] = float(self.top_p)
+        if self.top_k is not None:
+            fields["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM: -1 is off
+        if self.repetition_penalty is not None:
+            fields["repetition_penalty"] = float(self.repetition_penalty)
+        for name in ("seed", "min_tokens"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.ignore_eos:
+            fields["ignore_eos"] = True
+        if self.top_logprobs_asked() is not None:
+            fields["logprobs"] = self.top_logprobs_asked()
+        if (self.min_tokens or 0) > max_tokens:
+            raise RequestError(f"min_tokens={self.min_tokens} is above the reply's {max_tokens} tokens at most; lower "
+                               "min_tokens or raise max_tokens", param="min_tokens")
+        if not fields:
+            return None
+        try:
+            return replace(default, **fields)
+        except KVStateError as exc:
+            name = str(exc).split(".", 1)[-1].split(" ", 1)[0]
+            message = str(exc).replace("SamplingParams.", "")
+            raise RequestError(message, param=name if name in fields else None) from None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # top logprobs per token (OpenAI: up to 5; here up to 20)
+    echo: bool = False  # only false is served
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def check_sampling(self) -> None:
+        super().check_sampling()
+        if self.echo:
+            raise RequestError("echo=true is not served; the reply never repeats the prompt", param="echo")
 
 
 class TextPart(_Strict):
@@ -111,7 +183,13 @@ class Message(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -1,26 +1,42 @@
-"""A bounded request queue in front of one worker thread that owns the model.
+"""Continuous batching: a bounded queue in front of one worker thread that owns the model and decodes a batch.
 
-One model serves one request at a time (the prefix cache serves a batch of one), so requests wait in a
-FIFO of at most ``max_queue``; one more is refused at once (:class:`QueueFull`, answered 503) rather
-than left hanging. The worker runs each job's function with two callbacks: ``emit`` (a text delta,
-handed to the job's asyncio queue on the server's event loop) and ``cancelled`` (set when the client
-went away: the job stops at its next token; a job cancelled while it waits is skipped). Events on
-:attr:`Job.events`: ``("delta", str)``, then one of ``("done", result)``, ``("error", exception)``,
-``("cancelled", None)``.
+Continuous batching as in Orca ("Orca: A Distributed Serving System for Transformer-Based Generative
+Models", OSDI 2022) and vLLM's scheduler, over a hybrid model with the sparse prefix cache under it:
+requests wait in a queue of at most ``max_queue`` (one more is refused at once, :class:`QueueFull`,
+answered 503). Between decode steps the worker asks the policy (:class:`~kvstate.serve.policy.BatchPolicy`:
+FIFO or longest-prefix-hit first, ``max_batch``) which waiting requests to admit, showing it each
+prompt and its prefix-cache hit. An admitted request is prefilled through the prefix cache (resume from
+its checkpoint + KV, compute the rest) in chunks of at most ``max_tokens_per_step`` tokens, with one
+decode step of the running batch after each chunk, so a long prompt delays the others by one chunk at a
+time; then it joins the :class:`~kvstate.serve.batching.DecodeBatch` (attention KV left-padded with
+per-row positions and masks, recurrent and conv states stacked per row). Every step decodes one token per
+row in one forward call; a row whose reply ended, or whose client went away, leaves the batch before the
+next step, and a finished reply goes into the prefix cache. One thread does all of it, so the prefix
+store has one writer; what a prefill resumes from stays pinned until that prefill ends.
+
+Events on :attr:`Job.events`: ``("delta", Delta)``, then one of ``("done", Generation)``, ``("error",
+exception)``, ``("cancelled", None)``. A failed prefill fails its own request; a failed decode step fails
+the requests in the batch then, and the worker keeps serving. Ignores: preemption (a running request is
+never swapped out), priorities.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvstate.errors import KVStateError
+import torch
 
-Work = Callable[[Callable[[str], None], Callable[[], bool]], Any]
+from kvstate.errors import KVStateError
+from kvstate.serve.batching import BatchConfig, DecodeBatch
+from kvstate.serve.generation import Decoding, Generation, GenerationRequest, Generator
+from kvstate.serve.policy import BatchPolicy, Waiting
+
+IDLE_WAIT_S = 0.05  # how long an idle worker sleeps before looking at the queue again (a submit wakes it)
 
 
 class QueueFull(KVStateError):
@@ -30,8 +46,9 @@ class QueueFull(KVStateError):
 class Job:
     """One request on its way through the worker; created on the event loop, run on the worker thread."""
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop) -> None:
-        self.work = work
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, order: int) -> None:
+        self.request = request
+        self.order = order
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._loop = loop
         self._cancel = threading.Event()
@@ -50,22 +67,35 @@ class Job:
 
 
 class Scheduler:
-    """``submit`` jobs from the event loop; one daemon thread runs them in order."""
+    """``submit`` requests from the event loop; one daemon thread admits, prefills and decodes them in a batch."""
 
-    def __init__(self, max_queue: int, on_job_end: Callable[[str], None] | None = None) -> None:
+    def __init__(self, max_queue: int, generator: Generator | None = None, policy: BatchPolicy | None = None,
+                 on_job_end: Callable[[str], None] | None = None,
+                 on_generation: Callable[[Generation], None] | None = None) -> None:
         self.max_queue = max_queue
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.gen = generator
+        self.policy = policy or BatchPolicy()
+        self._on_job_end = on_job_end or (lambda outcome: None)
+        self._on_generation = on_generation or (lambda g: None)
+        self._waiting: list[Job] = []
+        self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._on_job_end = on_job_end or (lambda outcome: None)
-        self.running = 0  # jobs being run now (0 or 1)
+        self._order = itertools.count()
+        self._rows: dict[int, tuple[Job, Decoding]] = {}  # the running batch's requests, by job order
+        self._batch = None if generator is None else DecodeBatch(generator.model, BatchConfig(self.policy.max_batch))
+        self.running = 0  # requests being generated now (prefilling or in the batch)
+        self.steps = 0  # decode steps run (each one forward call over the batch)
 
     @property
     def depth(self) -> int:
-        """Jobs waiting (the running one not counted)."""
-        return self._queue.qsize()
+        """Requests waiting (the running ones not counted)."""
+        with self._cond:
+            return len(self._waiting)
 
     def start(self) -> None:
+        if self.gen is None:
+            raise KVStateError("Scheduler.start: no generator to run requests on; pass generator=")
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="kvstate-serve-worker", daemon=True)
@@ -73,58 +103,142 @@ class Scheduler:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        while True:  # whatever still waits is told the server is going away
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            job.post("error", KVStateError("the server is shutting down; retry against a running server"))
+        gone = KVStateError("the server is shutting down; retry against a running server")
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for job in waiting + [j for j, _ in self._rows.values()]:
+            job.post("error", gone)
             job.finished.set()
+        self._rows.clear()
 
     def check_room(self) -> None:
-        """:class:`QueueFull` when ``max_queue`` jobs already wait (a request can be refused before it is checked)."""
-        if self._queue.full():
-            raise self._full()
+        """:class:`QueueFull` when ``max_queue`` requests already wait (a request can be refused before it is checked)."""
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise self._full()
 
-    def submit(self, work: Work) -> Job:
-        """Queue ``work``; raises :class:`QueueFull` when ``max_queue`` jobs already wait."""
-        job = Job(work, asyncio.get_running_loop())
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise self._full() from None
+    def submit(self, request: GenerationRequest) -> Job:
+        """Queue ``request``; raises :class:`QueueFull` when ``max_queue`` requests already wait."""
+        job = Job(request, asyncio.get_running_loop(), next(self._order))
+        with self._cond:
+            if len(self._waiting) >= self.max_queue:
+                raise self._full()
+            self._waiting.append(job)
+            self._cond.notify()
         return job
 
     def _full(self) -> QueueFull:
         return QueueFull(f"the server is busy: {self.max_queue} requests already wait (--max-queue {self.max_queue}); "
                          "retry later")
 
+    # -- the worker ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                job = self._queue.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            self._run(job)
+            admitted = self._admit()
+            if admitted:
+                for job in admitted:
+                    self._start(job)
+            elif self._rows:
+                self._step()
+            else:
+                with self._cond:
+                    if not self._waiting and not self._stop.is_set():
+                        self._cond.wait(IDLE_WAIT_S)
 
-    def _run(self, job: Job) -> None:
+    def _admit(self) -> list[Job]:
+        """The waiting requests the policy admits now (taken off the queue), in prefill order."""
+        with self._cond:
+            if not self._waiting:
+                return []
+            waiting = list(self._waiting)
+        if len(self._rows) >= self.policy.max_batch:
+            return []
+        seen = [Waiting(j.order, len(j.request.prompt_ids), self._cached(j)) for j in waiting]
+        by_order = {j.order: j for j in waiting}
+        picked = [by_order[w.order] for w in self.policy.admit(seen, len(self._rows))]
+        chosen = {j.order for j in picked}
+        with self._cond:
+            self._waiting = [j for j in self._waiting if j.order not in chosen]
+        return picked
+
+    def _cached(self, job: Job) -> int:
+        """Prompt tokens the prefix cache would restore for ``job`` (only the longest-prefix policy asks)."""
+        if self.policy.name != "longest-prefix" or self.gen is None or self.gen.cache is None:
+            return 0
+        ids = torch.tensor([job.request.prompt_ids], device=self.gen.device)
+        return int(self.gen.cache.lookup(ids, full_state=True).position)
+
+    def _start(self, job: Job) -> None:
+        """Prefill ``job`` (decoding the running batch between its chunks) and add it to the batch."""
+        assert self.gen is not None and self._batch is not None
         if job.cancelled:
-            job.post("cancelled")
-            job.finished.set()
-            self._on_job_end("cancelled")
+            self._end(job, "cancelled", None)
             return
-        self.running = 1
-        outcome = "error"
+        self.running += 1
+        d = self.gen.begin(job.request, lambda delta: job.post("delta", delta), lambda: job.cancelled)
         try:
-            result = job.work(lambda text: job.post("delta", text), lambda: job.cancelled)
-            outcome = "cancelled" if getattr(result, "finish_reason", "") == "cancelled" else "ok"
-            job.post("done", result)
-        except Exception as exc:  # reported to the client as a 500; the worker keeps serving
-            job.post("error", exc)
-        finally:
-            self.running = 0
-            job.finished.set()
-            self._on_job_end(outcome)
+            p = self.gen.prefill(d, chunk=self.policy.max_tokens_per_step, between=self._step)
+            if not d.take(p.logits):
+                self._done(job, d, p.cache)
+                return
+            self._batch.add(job.order, p.cache, d.covered)
+        except Exception as exc:  # this request fails; the worker keeps serving the others
+            self.running -= 1
+            self._end(job, "error", exc)
+            return
+        self._rows[job.order] = (job, d)
+
+    def _step(self) -> None:
+        """One decode step of the running batch: one token per row; rows that ended leave the batch."""
+        assert self._batch is not None
+        for rid, (job, d) in list(self._rows.items()):
+            if job.cancelled:  # leaves at once: no forward pass for a client that went away
+                d.finish = "cancelled"
+                self._leave(rid, keep_cache=False)
+        if not self._rows:
+            return
+        try:
+            logits = self._batch.step({rid: d.next_token for rid, (_, d) in self._rows.items()})
+        except Exception as exc:  # the batch's state is unusable: fail its requests, keep serving
+            for rid in list(self._rows):
+                job, _ = self._rows.pop(rid)
+                self._batch.remove(rid)
+                self.running -= 1
+                self._end(job, "error", exc)
+            return
+        self.steps += 1
+        for rid, (_, d) in list(self._rows.items()):
+            d.covered += 1
+            if not d.take(logits[rid]):
+                self._leave(rid, keep_cache=d.finish != "cancelled")
+
+    def _leave(self, rid: int, keep_cache: bool) -> None:
+        assert self._batch is not None
+        job, d = self._rows.pop(rid)
+        cache = self._batch.cache_of(rid) if keep_cache and self.gen is not None and self.gen.cache is not None else None
+        self._batch.remove(rid)
+        self._done(job, d, cache)
+
+    def _done(self, job: Job, d: Decoding, cache: Any) -> None:
+        assert self.gen is not None
+        self.running -= 1
+        try:
+            g = self.gen.finish(d, cache)
+        except Exception as exc:
+            self._end(job, "error", exc)
+            return
+        self._on_generation(g)
+        if g.finish_reason == "cancelled":
+            self._end(job, "cancelled", None)
+        else:
+            self._end(job, "done", g)
+
+    def _end(self, job: Job, kind: str, payload: Any) -> None:
+        job.post(kind, payload)
+        job.finished.set()
+        self._on_job_end({"done": "ok", "cancelled": "cancelled"}.get(kind, "error"))

@@ -30,7 +30,8 @@ def split_stop(text: str, stops: Sequence[str]) -> tuple[int, bool]:
 class TextStream:
     """Feed token ids one at a time; :meth:`push` returns the text that can be sent now."""
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Any, stops: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+        self._skip = bool(skip_special_tokens)
         self._tok = tokenizer
         self._stops = tuple(stops)
         self._ids: list[int] = []
@@ -38,7 +39,7 @@ class TextStream:
         self.stopped = False  # a stop string occurred: the reply ends before it
 
     def _text(self) -> str:
-        return str(self._tok.decode(self._ids, skip_special_tokens=True))
+        return str(self._tok.decode(self._ids, skip_special_tokens=self._skip))
 
     def push(self, token: int) -> str:
         self._ids.append(int(token))

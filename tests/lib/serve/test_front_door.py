@@ -17,6 +17,7 @@ import pytest
 
 from kvstate.serve.app import create_app
 from kvstate.serve.config import ServeConfig
+from kvstate.serve.policy import BatchPolicy
 from tests.lib.serve.conftest import Running
 
 LIMIT = 4096  # the test server's --max-body-bytes
@@ -52,16 +53,16 @@ def door(tiny: tuple[Any, Any]) -> Iterator[Door]:
     model, tok = tiny
     slow = SlowTokenizer(tok)
     running = Running(create_app(model, slow, ServeConfig(model_id="tiny", budget_bytes=None, max_queue=1,
-                                                          max_body_bytes=LIMIT)))
-    gen, gate = running.app.state.generator, threading.Event()
+                                                          max_body_bytes=LIMIT, policy=BatchPolicy(max_batch=1))))
+    batch, gate = running.app.state.scheduler._batch, threading.Event()
     gate.set()
-    step = gen._forward
+    step = batch.step
 
     def gated(*args: Any, **kwargs: Any) -> Any:
         gate.wait(30)
         return step(*args, **kwargs)
 
-    gen._forward = gated
+    batch.step = gated
     try:
         yield Door(running, slow, gate)
     finally:

@@ -74,9 +74,9 @@ class _DeclaringCache(SparsePrefixCache):
     seen: list[list[int]]
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                boundaries: list[int] | None = None) -> Any:
+                boundaries: list[int] | None = None, **kw: Any) -> Any:
         self.seen.append(list(boundaries or []))
-        return super().prefill(input_ids, attention_mask, boundaries=boundaries)
+        return super().prefill(input_ids, attention_mask, boundaries=boundaries, **kw)
 
 
 def test_message_ends_reach_an_engine_that_takes_boundaries(tiny: tuple[Any, Any]) -> None:

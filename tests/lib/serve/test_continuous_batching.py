@@ -1,0 +1,193 @@
+"""Continuous batching in the server's scheduler: requests decoded together equal each request decoded alone
+(tokens equal, logprobs within fp32 noise) on every supported family and on models/ref-hybrid, with and without
+a prefix-cache hit; a long prompt is prefilled in chunks with the batch decoded between them; a client that
+goes away leaves the batch at once and the others' replies do not change."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstate.models import load_model, tiny_model
+from kvstate.prefix.engine import SparsePrefixCache
+from kvstate.serve.generation import Generation, GenerationRequest, Generator
+from kvstate.serve.policy import BatchPolicy
+from kvstate.serve.sampling import SamplingParams
+from kvstate.serve.scheduler import Scheduler
+from kvstate.serve.server import load_tokenizer
+from tests.conftest import FAMILIES
+from tests.lib.serve.conftest import word_tokenizer
+
+REF = Path(__file__).resolve().parents[3] / "models" / "ref-hybrid"
+MiB = 1 << 20
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True, logprobs=1)  # ignore_eos: replies run to max_tokens
+
+
+def _ids(n: int, seed: int, vocab: int, low: int = 10) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(int(t) for t in torch.randint(low, vocab, (n,), generator=g))
+
+
+def _requests(vocab: int) -> list[GenerationRequest]:
+    doc = _ids(40, 1, vocab)
+    prompts = [doc + _ids(5, 2, vocab), _ids(13, 3, vocab), doc + _ids(9, 4, vocab), _ids(27, 5, vocab)]
+    return [GenerationRequest(p, max_tokens=m, sampling=GREEDY) for p, m in zip(prompts, (7, 4, 9, 6), strict=True)]
+
+
+async def _serve(scheduler: Scheduler, requests: list[GenerationRequest], cancel_after: dict[int, int] | None = None
+                 ) -> list[Generation | None]:
+    """Submit every request at once and collect each result (None for a request cancelled mid-reply)."""
+    jobs = [scheduler.submit(r) for r in requests]
+    cancel_after = cancel_after or {}
+
+    async def collect(i: int) -> Generation | None:
+        deltas = 0
+        while True:
+            kind, payload = await asyncio.wait_for(jobs[i].events.get(), timeout=120)
+            if kind == "delta":
+                deltas += 1
+                if cancel_after.get(i) == deltas:
+                    jobs[i].cancel()
+            elif kind == "done":
+                return payload  # type: ignore[no-any-return]
+            elif kind == "cancelled":
+                return None
+            else:
+                raise payload
+
+    return list(await asyncio.gather(*(collect(i) for i in range(len(jobs)))))
+
+
+def _batched(gen: Generator, requests: list[GenerationRequest], policy: BatchPolicy,
+             cancel_after: dict[int, int] | None = None) -> tuple[list[Generation | None], Scheduler]:
+    scheduler = Scheduler(16, gen, policy)
+
+    async def main() -> list[Generation | None]:
+        scheduler.start()
+        try:
+            return await _serve(scheduler, requests, cancel_after)
+        finally:
+            scheduler.stop()
+
+    return asyncio.run(main()), scheduler
+
+
+def _alone(gen: Generator, requests: list[GenerationRequest]) -> list[Generation]:
+    return [gen.run(r, lambda _: None, lambda: False) for r in requests]
+
+
+def _same(batched: Generation | None, alone: Generation) -> None:
+    assert batched is not None and batched.reply_ids == alone.reply_ids and batched.finish_reason == alone.finish_reason
+    torch.testing.assert_close(torch.tensor([t.logprob for t in batched.logprobs]),
+                               torch.tensor([t.logprob for t in alone.logprobs]), atol=1e-4, rtol=0)
+
+
+def _model(family: str) -> tuple[Any, Any]:
+    if family == "ref-hybrid":
+        return load_model(REF), load_tokenizer(REF)
+    return tiny_model(family, seed=0), word_tokenizer()
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("family", [*FAMILIES, "ref-hybrid"])
+def test_batched_replies_equal_each_request_alone(family: str, cached: bool) -> None:
+    model, tok = _model(family)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    requests = _requests(min(vocab, 128))
+
+    def gen() -> Generator:
+        cache = SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8) if cached else None
+        g = Generator(model, tok, cache)
+        if cache is not None:  # the shared document is stored: requests 0 and 2 resume from it
+            g.run(GenerationRequest(requests[0].prompt_ids[:40] + (11,), 1), lambda _: None, lambda: False)
+        return g
+
+    alone = _alone(gen(), requests)
+    batched, scheduler = _batched(gen(), requests, BatchPolicy(max_batch=4, max_tokens_per_step=8))
+    for b, a in zip(batched, alone, strict=True):
+        _same(b, a)
+    assert scheduler.steps < sum(len(a.reply_ids) for a in alone) - len(alone)  # steps were shared: a real batch
+    if cached:  # the requests sharing the stored document resumed from it, batched as alone
+        assert all(b is not None and b.reused_tokens == a.reused_tokens > 0
+                   for b, a in ((batched[0], alone[0]), (batched[2], alone[2])))
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_with_the_batch_decoded_between() -> None:
+    model, tok = _model("qwen3_5")
+    gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
+    short = GenerationRequest(_ids(6, 7, 128), max_tokens=4, sampling=GREEDY)
+    long = GenerationRequest(_ids(120, 8, 128), max_tokens=2, sampling=GREEDY)
+    steps_during: dict[int, int] = {}
+    prefill = gen.prefill
+
+    def watched(d, chunk=None, between=None):  # type: ignore[no-untyped-def]
+        before = scheduler_ref[0].steps
+        p = prefill(d, chunk=chunk, between=between)
+        steps_during[len(d.req.prompt_ids)] = scheduler_ref[0].steps - before
+        return p
+
+    gen.prefill = watched  # type: ignore[method-assign]
+    scheduler_ref: list[Scheduler] = []
+    policy = BatchPolicy(max_batch=4, max_tokens_per_step=16)
+    scheduler = Scheduler(16, gen, policy)
+    scheduler_ref.append(scheduler)
+
+    async def main() -> list[Generation | None]:
+        scheduler.start()
+        try:
+            return await _serve(scheduler, [short, long])
+        finally:
+            scheduler.stop()
+
+    out = asyncio.run(main())
+    # the short request's 3 decode steps ran while the long prompt was prefilled, 16 tokens at a time
+    assert steps_during[120] == 3 and steps_during[6] == 0
+    alone = _alone(Generator(model, tok, None), [short, long])
+    for b, a in zip(out, alone, strict=True):
+        _same(b, a)
+
+
+def test_a_client_that_goes_away_leaves_the_batch_and_the_others_do_not_change() -> None:
+    model, tok = _model("qwen3_5")
+    requests = _requests(128)
+    alone = _alone(Generator(model, tok, None), requests)
+    gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
+    out, scheduler = _batched(gen, requests, BatchPolicy(max_batch=4, max_tokens_per_step=64), cancel_after={2: 2})
+    assert out[2] is None and scheduler.running == 0 and len(scheduler._batch or []) == 0
+    for i in (0, 1, 3):
+        _same(out[i], alone[i])
+    stored = gen.cache.lookup(torch.tensor([requests[2].prompt_ids + alone[2].reply_ids]))
+    assert stored.position <= len(requests[2].prompt_ids)  # the cancelled reply was not inserted
+
+
+def test_the_batch_bound_holds_and_longest_prefix_first_admits_the_hit() -> None:
+    model, tok = _model("qwen3_5")
+    requests = _requests(128)
+    gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
+    gen.run(GenerationRequest(requests[2].prompt_ids[:40] + (11,), 1), lambda _: None, lambda: False)
+    order: list[int] = []
+    prefill = gen.prefill
+
+    def watched(d, chunk=None, between=None):  # type: ignore[no-untyped-def]
+        order.append(len(d.req.prompt_ids))
+        assert len(scheduler._batch or []) <= 2
+        return prefill(d, chunk=chunk, between=between)
+
+    gen.prefill = watched  # type: ignore[method-assign]
+    scheduler = Scheduler(16, gen, BatchPolicy("longest-prefix", max_batch=2, max_tokens_per_step=64))
+
+    async def main() -> list[Generation | None]:
+        jobs_done = _serve(scheduler, requests)
+        scheduler.start()  # every request is queued before the worker looks: the policy sees all four
+        try:
+            return await jobs_done
+        finally:
+            scheduler.stop()
+
+    out = asyncio.run(main())
+    assert all(o is not None for o in out)
+    assert order[:2] == [45, 49]  # the two requests resuming from the stored document go first
