@@ -39,6 +39,7 @@ from kvstate.models import (
     snapshot_cache,
 )
 from kvstate.prefix.config import PrefixCacheConfig
+from kvstate.prefix.events import CacheEvents
 from kvstate.prefix.eviction import Policy
 from kvstate.prefix.placement import plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
@@ -108,6 +109,9 @@ class SparsePrefixCache:
         vocab = int(model.get_output_embeddings().weight.shape[0])
         self.vocab_size = vocab
         self._dtype = dtype
+        # what every cache this engine hands out is tagged with, and what insert() asks of a cache
+        self.fingerprint = model_fingerprint(model)
+        self.events = CacheEvents(self.fingerprint, self.align)  # store / evict events for a cache-aware router
         self.store = PrefixStore(
             StoreConfig(
                 budget_bytes=cfg.budget_bytes,
@@ -129,12 +133,11 @@ class SparsePrefixCache:
             planner=self._plan,
             splitter=split_segment,
             sizer=held_nbytes,
+            observer=self.events,
         )
         self._lock = threading.Lock()
         self._shared: SharedTier | None = None
         self._layout_memo: Layout | None = None
-        # what every cache this engine hands out is tagged with, and what insert() asks of a cache
-        self.fingerprint = model_fingerprint(model)
         if cfg.remote is not None or remote_tier is not None:
             key = load_key(cfg.remote_key_file)
             tier = remote_tier if remote_tier is not None else RedisTier(str(cfg.remote))

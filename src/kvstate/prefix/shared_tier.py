@@ -50,6 +50,7 @@ from safetensors.torch import save as st_save
 from kvstate.errors import KVStateError
 from kvstate.models.families import LayerKind
 from kvstate.models.state import CacheSnapshot, LayerSnapshot, RecurrentState
+from kvstate.prefix import hashing
 from kvstate.prefix.remote import RemoteTier, RemoteUnavailable
 from kvstate.prefix.segments import KVSegment, kv_segment
 
@@ -235,21 +236,14 @@ class SharedTier:
     # -- keys ---------------------------------------------------------------------------------------
     def chain(self, tokens: Sequence[int]) -> list[bytes]:
         """``h[k]``: the hash of the first ``k`` chunks (``h[0]`` the model's fingerprint)."""
-        out = [hashlib.sha256(self.fingerprint.encode()).digest()]
-        a = self.align
-        for k in range(len(tokens) // a):
-            chunk = struct.pack(f"<{a}q", *tokens[k * a : (k + 1) * a])
-            out.append(hashlib.sha256(out[-1] + chunk).digest())
-        return out
+        return hashing.chain(self.fingerprint, tokens, self.align)
 
     def kv_key(self, chain: list[bytes], k: int) -> str:
         return f"{self.prefix}:kv:{chain[k].hex()[:40]}"
 
     def state_hash(self, chain: list[bytes], tokens: Sequence[int], p: int) -> str:
         """The hash of the first ``p`` tokens (the path a state entry covers), extending ``chain``."""
-        full = p // self.align
-        tail = struct.pack(f"<{p - full * self.align}q", *tokens[full * self.align : p])
-        return hashlib.sha256(chain[full] + tail + struct.pack("<q", p)).hexdigest()
+        return hashing.state_hash(chain, tokens, p, self.align)
 
     def state_key(self, chain: list[bytes], tokens: Sequence[int], p: int) -> str:
         return f"{self.prefix}:st:{self.state_hash(chain, tokens, p)[:40]}"

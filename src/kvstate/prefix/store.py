@@ -50,6 +50,7 @@ from kvstate.prefix.store_types import (
     Hit,
     KVSource,
     Node,
+    Observer,
     Planner,
     Sizer,
     Splitter,
@@ -134,11 +135,20 @@ class PrefixStore(OverlapLearning, TreeEviction):
     """One radix tree of shared KV and sparse recurrent states under one byte budget (see module doc)."""
 
     def __init__(
-        self, config: StoreConfig, planner: Planner, splitter: Splitter | None = None, sizer: Sizer | None = None
+        self,
+        config: StoreConfig,
+        planner: Planner,
+        splitter: Splitter | None = None,
+        sizer: Sizer | None = None,
+        observer: Observer | None = None,
     ) -> None:
         """``sizer``: the bytes a state or logits payload holds (None: ``config.checkpoint_bytes`` and
-        ``config.logits_bytes`` for every one — fake payloads)."""
+        ``config.logits_bytes`` for every one — fake payloads). ``observer(event, kind, tokens, start)``
+        hears every change of what is stored: ``event`` "stored" / "evicted", ``kind`` "kv" (the KV of
+        ``tokens[start:]``, ``tokens`` the whole path from the root) or "state" (the state after
+        ``len(tokens)`` tokens; ``start`` 0)."""
         self.config = config
+        self._observer = observer
         self._planner = planner
         self._split_kv: Splitter = splitter or (lambda kv, k: (kv, kv))
         self._sizer = sizer
@@ -454,6 +464,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
                 continue
             v.states[p] = State(payload, self._clock, end=p in ends, nbytes=sizes[p])
             self._m["bytes_end_states" if p in ends else "bytes_checkpoints"] += sizes[p]
+            self._notify("stored", "state", v, p)
         if add_logits and leaf is not None and length not in leaf.logits:
             leaf.logits[length] = logits
             leaf.logits_nbytes[length] = logits_size
@@ -485,7 +496,20 @@ class PrefixStore(OverlapLearning, TreeEviction):
             if p in v.states and v.top < p <= v.depth:
                 s = v.states.pop(p)
                 self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
+                self._notify("evicted", "state", v, p)
                 return
+
+    def _notify(self, event: str, kind: str, v: Node, end: int, start: int = 0) -> None:
+        """Tell the observer about the KV of ``v``'s path in ``[start, end)`` or the state after ``end``."""
+        if self._observer is None:
+            return
+        edges: list[tuple[int, ...]] = []
+        u: Node | None = v
+        while u is not None and u.parent is not None:
+            edges.append(u.edge)
+            u = u.parent
+        tokens = tuple(t for e in reversed(edges) for t in e)[:end]
+        self._observer(event, kind, tokens, start)
 
     def _insert_path(self, tokens: tuple[int, ...], kv: KVSource | None) -> Node | None:
         """Make ``tokens`` a path of the tree (splitting an edge where it diverges); the node ending at
@@ -500,6 +524,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
                 node.children[tokens[pos]] = leaf
                 if self.config.has_attention:
                     self._m["bytes_kv"] += (n - pos) * self.config.kv_bytes_per_token
+                    self._notify("stored", "kv", leaf, n, pos)
                 return leaf
             k = _lcp(child.edge, tokens, pos)
             if k < len(child.edge):

@@ -27,6 +27,9 @@ class TreeEviction:
     def used_bytes(self) -> int:
         raise NotImplementedError
 
+    def _notify(self, event: str, kind: str, v: Node, end: int, start: int = 0) -> None:
+        raise NotImplementedError
+
     def _is_leaf(self, v: Node, gone: set[int]) -> bool:
         return all(id(u) in gone for u in v.children.values())
 
@@ -103,6 +106,7 @@ class TreeEviction:
                 s = v.states.pop(u.position)
                 self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
                 self._m["evicted_states"] += 1
+                self._notify("evicted", "state", v, u.position)
         self._prune_empty()
 
     def _remove_leaf(self, v: Node) -> None:
@@ -111,8 +115,11 @@ class TreeEviction:
         c = self.config
         for u in [v, *self._below(v)]:
             self._m["bytes_kv"] -= len(u.edge) * c.kv_bytes_per_token if c.has_attention else 0
-            for s in u.states.values():
+            if c.has_attention:
+                self._notify("evicted", "kv", u, u.depth, u.top)
+            for p, s in u.states.items():
                 self._m["bytes_end_states" if s.end else "bytes_checkpoints"] -= s.nbytes
+                self._notify("evicted", "state", u, p)
             self._m["bytes_logits"] -= sum(u.logits_nbytes.values())
         del v.parent.children[v.edge[0]]
         anc: Node | None = v.parent

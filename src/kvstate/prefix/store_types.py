@@ -22,6 +22,8 @@ FloatArray = npt.NDArray[np.float64]
 Planner = Callable[[FloatArray, int], list[int]]  # (weights over depths 0..n, n) → positions in 1..n
 Splitter = Callable[[Any, int], tuple[Any, Any]]  # (KV payload of an edge, k) → (first k tokens, the rest)
 KVSource = Callable[[int, int], Any]  # (start, end) absolute → KV payload of those tokens
+# (event "stored" / "evicted", kind "kv" / "state", the path's tokens, start of the KV span) → None
+Observer = Callable[[str, str, tuple[int, ...], int], None]
 Sizer = Callable[[Any], int]  # a stored state's or logits row's payload → the bytes it holds
 
 

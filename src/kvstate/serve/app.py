@@ -357,6 +357,19 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
         return {"object": "list", "data": [{"id": config.model_id, "object": "model", "created": created,
                                             "owned_by": "kvstate", "max_model_len": generator.max_positions}]}
 
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        """The prefix cache's store / evict events after ``since`` (KV blocks and recurrent checkpoints by
+        content hash), for a cache-aware router; poll with ``since`` = the last reply's ``next``."""
+        if cache is None:
+            raise RequestError("this server runs without a prefix cache (--no-cache): it has no cache events",
+                               status=404, code="no_prefix_cache")
+        if since < 0 or not 1 <= limit <= 10_000:
+            raise RequestError(f"since={since} must be >= 0 and limit={limit} in 1..10000", param="since")
+        events, nxt, dropped = cache.events.since(since, limit)
+        return {"object": "list", "model": config.model_id, "epoch": cache.events.epoch, "block_size": cache.align,
+                "data": [e.as_json() for e in events], "next": nxt, "dropped": dropped}
+
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return Response(metrics.render(registry), media_type=metrics.CONTENT_TYPE)

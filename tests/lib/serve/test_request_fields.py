@@ -90,3 +90,20 @@ def test_min_tokens_and_the_accepted_and_ignored_extensions(on: Running) -> None
 def test_an_unknown_field_is_still_named(on: Running) -> None:
     r = httpx.post(f"{on.url}/v1/completions", timeout=60, json={"model": "tiny", "prompt": "w3", "best_of": 2})
     assert r.status_code == 400 and "best_of" in r.json()["error"]["message"]
+
+
+def test_cache_events_report_stored_kv_blocks_and_checkpoints(on: Running) -> None:
+    before = httpx.get(f"{on.url}/v1/cache/events", timeout=30).json()
+    r = httpx.post(f"{on.url}/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": " ".join(f"w{i}" for i in range(20, 90)), "max_tokens": 2})
+    assert r.status_code == 200
+    after = httpx.get(f"{on.url}/v1/cache/events", params={"since": before["next"]}, timeout=30).json()
+    kinds = {(e["type"], e["kind"]) for e in after["data"]}
+    assert {("stored", "kv"), ("stored", "checkpoint")} <= kinds and after["next"] > before["next"]
+    assert all(len(h) == 32 for e in after["data"] for h in e["block_hashes"]) and after["dropped"] == 0
+
+
+def test_a_server_without_a_cache_has_no_cache_events(tiny: tuple[Any, Any]) -> None:
+    for running in serve(tiny, budget_bytes=None):
+        r = httpx.get(f"{running.url}/v1/cache/events", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "no_prefix_cache"
