@@ -103,7 +103,7 @@ def test_batched_replies_equal_each_request_alone(family: str, cached: bool) -> 
         cache = SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8) if cached else None
         g = Generator(model, tok, cache)
         if cache is not None:  # the shared document is stored: requests 0 and 2 resume from it
-            g.run(GenerationRequest(requests[0].prompt_ids[:40] + (11,), 1), lambda _: None, lambda: False)
+            g.run(GenerationRequest((*requests[0].prompt_ids[:40], 11), 1), lambda _: None, lambda: False)
         return g
 
     alone = _alone(gen(), requests)
@@ -168,7 +168,7 @@ def test_the_batch_bound_holds_and_longest_prefix_first_admits_the_hit() -> None
     model, tok = _model("qwen3_5")
     requests = _requests(128)
     gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
-    gen.run(GenerationRequest(requests[2].prompt_ids[:40] + (11,), 1), lambda _: None, lambda: False)
+    gen.run(GenerationRequest((*requests[2].prompt_ids[:40], 11), 1), lambda _: None, lambda: False)
     order: list[int] = []
     prefill = gen.prefill
 
