@@ -213,3 +213,26 @@ def test_a_lone_surrogate_is_a_400_naming_its_field(door: Door, path: str, body:
     named = param.replace(".0.", "[0].").replace(".1.", "[1].")
     assert (r.status_code, err["param"], err["type"]) == (400, param, "invalid_request_error")
     assert err["message"].startswith(named + ": ") and "surrogate" in err["message"]
+
+
+def test_a_20mb_body_during_another_stream_is_refused_fast_and_the_stream_is_unchanged(door: Door) -> None:
+    body = {"model": "tiny", "prompt": "w3 w4 w5", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    alone = httpx.post(door.url + "/v1/completions", json=body, timeout=60).text
+    got: dict[str, Any] = {}
+
+    def stream() -> None:
+        got["text"] = httpx.post(door.url + "/v1/completions", json=body, timeout=60).text
+
+    t = threading.Thread(target=stream)
+    t.start()
+    start = time.monotonic()
+    big = httpx.post(door.url + "/v1/completions", content=b" " * 20_000_000, timeout=30)
+    refused_in = time.monotonic() - start
+    t.join(60)
+    assert big.status_code == 413 and refused_in < 1.0
+
+    def texts(sse: str) -> list[str]:
+        return [json.loads(ln[6:])["choices"][0]["text"] for ln in sse.splitlines()
+                if ln.startswith("data: {") and json.loads(ln[6:])["choices"]]
+
+    assert "".join(texts(got["text"])) == "".join(texts(alone)) and len(texts(alone)) >= 10
