@@ -72,3 +72,25 @@ def test_bad_remote_settings_are_one_clear_error(kwargs, message):
 def test_the_command_line_refuses_a_bad_remote_url_before_loading(tmp_path):
     res = CliRunner().invoke(app, ["serve", "--model", str(tmp_path), "--remote", "http://x:1", "--port", "1"])
     assert res.exit_code != 0 and "redis://" in (res.output + str(res.exception))
+
+
+def test_keyed_replicas_share_and_an_unkeyed_writer_is_refused(tiny, redis_server: RedisServer, tmp_path):  # noqa: F811
+    key = tmp_path / "cluster.key"
+    key.write_text("a-cluster-secret-of-32-bytes-xyz\n")
+    a_gen = serve(tiny, remote=redis_server.url, remote_key_file=str(key))
+    b_gen = serve(tiny, remote=redis_server.url, remote_key_file=str(key))
+    rogue_gen = serve(tiny, remote=redis_server.url)  # same model and Redis, no key
+    c_gen = serve(tiny, remote=redis_server.url, remote_key_file=str(key))
+    a, b, rogue, c = next(a_gen), next(b_gen), next(rogue_gen), next(c_gen)
+    try:
+        _ask(a.url, "w1 w2 w3 ?")
+        _, cached = _ask(b.url, "w4 w5 ?")
+        assert cached >= 100 and b.metrics()["kvstate_prefix_remote_hits_total"] == 1.0  # key holders share
+        redis_server.client().flushdb()
+        _ask(rogue.url, "w1 w2 w3 ?")  # the unkeyed replica writes the document's entries
+        _, cached = _ask(c.url, "w6 w7 ?")  # a keyed replica without the document refuses what it finds
+        mc = c.metrics()
+        assert cached == 0 and mc["kvstate_prefix_remote_bad_entries_total"] >= 1.0
+    finally:
+        for g in (a_gen, b_gen, rogue_gen, c_gen):
+            g.close()
