@@ -40,7 +40,7 @@ from kvstate.semantic.config import SemanticConfig
 from kvstate.semantic.lowrank import byte_cap
 from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import Segmentation, fast_bytes, fit_budget, min_fast_bytes, span_weights
-from kvstate.semantic.store import SpanStore
+from kvstate.semantic.store import SlowCapError, SpanStore
 from kvstate.validate import check_token_ids
 
 __all__ = ["SemanticCache", "SemanticConfig", "SemanticLayer", "prefill_and_compress", "surprisal"]
@@ -74,11 +74,6 @@ class SemanticLayer(DynamicLayer):
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         assert self.store is not None
         return self.store.attend(query, scaling, self.owner.router, self.layer_idx, self.owner.config)
-
-    def compress(self, seg: Segmentation, weights: list[np.ndarray]) -> None:
-        self.store = SpanStore.build(self.keys, self.values, seg, weights, self.owner.router, self.layer_idx,
-                                     self.owner.config)
-        self.keys = self.values = None
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -160,8 +155,9 @@ class SemanticCache(Cache):
         read), so sticky and non-sticky decoding share one compression."""
         new = copy.copy(self)
         if config is not None:
+            # under a memory cap the slow tier was sized beside the sticky working set: sticky is compression too
             if not isinstance(config, SemanticConfig) or dataclasses.replace(config, sticky=self.config.sticky) \
-                    != self.config:
+                    != self.config or (config.memory is not None and config.sticky != self.config.sticky):
                 raise KVStateError(f"SemanticCache.fork: config={config!r} differs from the compressed cache's "
                                    f"{self.config!r} in more than sticky; compress a cache under that config instead")
             new.config = config
@@ -187,14 +183,46 @@ class SemanticCache(Cache):
         seg = self.fit(s)
         return self.compress_segmentation(seg, span_weights(s, seg))
 
+    def _memory_error(self, need: int, what: str) -> BudgetError:
+        t, token_bytes, _, _ = self._sizes()
+        full = t * token_bytes
+        return BudgetError(f"memory {self.config.memory} of full KV ({int(self.config.memory * full)} bytes per layer) "
+                           f"cannot hold {what} of a {t}-token context: the minimum is {need} bytes per layer, "
+                           f"memory >= {need / full:.4f}; raise memory, lower the budget, "
+                           + ("lower bits or outliers" if self.config.slow == "quant" else
+                              " or ".join(f"slow={x!r}" for x in ("quant", "lowrank") if x != self.config.slow))
+                           + ", or lower sinks / recent / raise max_span")
+
+    def _held(self, seg: Segmentation) -> tuple[int, int]:
+        """(fast tier, largest working set) bytes per layer of a segmentation."""
+        t, token_bytes, span_bytes, _ = self._sizes()
+        fast = fast_bytes(seg, token_bytes, span_bytes)
+        # a sticky working set is held between passes (up to the rest of the read budget); otherwise spans are
+        # expanded for one pass and dropped
+        held = self.config.capped and self.config.sticky
+        return fast, max(0, int(self.config.budget * t * token_bytes) - fast) if held else 0
+
+    def slow_cap(self, seg: Segmentation) -> int | None:
+        """Bytes per layer the slow tier may hold under ``memory`` (None without one): ``memory`` x the full KV
+        minus the fast tier and the working set the read budget lets expanded spans take (may be negative:
+        compression then names the minimum memory)."""
+        if self.config.memory is None:
+            return None
+        t, token_bytes, _, _ = self._sizes()
+        fast, working = self._held(seg)
+        return int(self.config.memory * t * token_bytes) - fast - working
+
     def _sizes(self) -> tuple[int, int, int, int]:
         """(context tokens, bytes per token, bytes per span summary, fast-tier budget bytes) per layer."""
         k = self.semantic_layers[0].keys
         t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
-        span_bytes = k.shape[1] * (2 * k.shape[3] + self.router.config.routing_dim) * k.element_size() + k.element_size()
-        # "soft" (training) fits as "learned" does; "none" expands nothing and the "all" oracle everything
-        share = 1.0 - self.config.expand_share if self.config.zoom in ("learned", "similarity", "soft") else 1.0
+        # per span and KV head: mean key and value, the bounds (min, max key) or the routing summary; and log |S|
+        per_head = 2 * k.shape[3] + (2 * k.shape[3] if self.config.bounds else 0) + \
+            (self.router.config.routing_dim if self.config.route_summaries else 0)
+        span_bytes = k.shape[1] * per_head * k.element_size() + k.element_size()
+        # "soft" (training) fits as "routed" does; "none" expands nothing and the "all" oracle everything
+        share = 1.0 - self.config.expand_share if self.config.zoom in ("routed", "similarity", "soft") else 1.0
         return t, token_bytes, span_bytes, int(share * self.config.budget * t * token_bytes)
 
     def _refuse(self, need: int, what: str) -> BudgetError:
@@ -230,8 +258,19 @@ class SemanticCache(Cache):
         if seg.length != t:
             raise KVStateError(f"SemanticCache.compress_segmentation: a segmentation of {seg.length} tokens for a "
                                f"prefilled context of {t} tokens")
-        for layer in layers:
-            layer.compress(seg, weights)
+        cap = self.slow_cap(seg)
+        try:  # every layer built before any is replaced: whole or nothing
+            stores = [SpanStore.build(layer.keys, layer.values, seg, weights, self.router, layer.layer_idx,
+                                      self.config, cap) for layer in layers]
+        except SlowCapError as exc:
+            fast, working = self._held(seg)
+            raise self._memory_error(fast + working + exc.need, "the exact parts (sinks, anchors, recent window) with "
+                                     f"the span summaries and bounds ({fast} bytes), the working set of expanded "
+                                     f"spans ({working}) and the slow tier at its least ({exc.need}: {exc.what})") \
+                from None
+        for layer, store in zip(layers, stores, strict=True):
+            layer.store = store
+            layer.keys = layer.values = None
         self.segmentation = seg
         return seg
 

@@ -1,14 +1,20 @@
-"""``SemanticConfig``: the settings of one SEKV cache — the read budget, the slow-tier budget, zoom, offload.
+"""``SemanticConfig``: the settings of one SEKV cache — read and memory budgets, routing, the slow tier.
 
 From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory" (see
-``docs/techniques.md#resolution``). Two budgets, both fractions:
+``docs/techniques.md#resolution``). Two budgets, both fractions of the full KV of the tokens seen
+(``kvstate.semantic.accounting.ByteCounts``):
 
 - ``budget`` caps what stays on the device *and* what one forward pass reads: the fast tier (anchors, span
-  summaries, routing summaries) plus the reconstructed K/V of the expanded spans never exceed
-  ``budget`` x the full KV of the tokens seen (``kvstate.semantic.accounting.ByteCounts``). At compression
+  summaries, bounds or routing summaries) plus the reconstructed K/V of the expanded spans. At compression
   the fast tier is fitted to ``1 - expand_share`` of it, so the rest is free for expansions;
-- ``slow_budget`` caps the slow tier: the low-rank factors of every span take at most that fraction of the
-  spans' raw K/V bytes (ranks allocated under it, :mod:`kvstate.semantic.ranks`).
+- ``memory`` caps what is held in every tier: fast tier + the working set of expanded spans (at most the
+  rest of ``budget``) + the slow tier, so the slow tier gets ``memory`` x full minus the first two. With
+  ``memory=None`` the slow tier is capped by ``slow_budget`` x the spans' raw K/V bytes instead.
+
+Spans are ranked by Quest's upper bound on ``q . k`` over their keys (``routing="bounds"``,
+:mod:`kvstate.semantic.bounds`) or by the paper's learned relevance (``"learned"``, the ablation). The slow
+tier keeps every span as low-rank factors (``slow="lowrank"``), quantized (``"quant"``, at ``bits``, the
+``outliers`` share of spans least alike kept unquantized, :mod:`kvstate.semantic.quant`) or raw.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvstate.errors import KVStateError
+from kvstate.semantic.quant import BITS
 from kvstate.semantic.segment import SegmentConfig
 from kvstate.validate import check_bool, check_float, check_int
 
@@ -25,27 +32,38 @@ from kvstate.validate import check_bool, check_float, check_int
 # while decoding
 SLOW_BUDGET = 0.375
 
-# "learned": the router's relevance gates; "similarity": spans ranked by query . mean key (SentenceKV-like);
-# "all": every span, ignoring the budget (the exactness oracle); "none": summaries only; "soft": training only
-Zoom = Literal["learned", "similarity", "all", "none", "soft"]
-Offload = Literal["lowrank", "raw"]  # the slow tier: low-rank SVD factors, or the raw span K/V (ablation)
+# "routed": spans ranked by ``routing``, expanded within the budget; "similarity": ranked by query . mean key
+# (SentenceKV-like); "all": every span, ignoring the budget (the exactness oracle); "none": summaries only;
+# "soft": training only
+Zoom = Literal["routed", "similarity", "all", "none", "soft"]
+# "bounds": Quest's upper bound over each span's keys, every span a candidate; "learned": the router's relevance
+# gates (the paper's routing, the ablation: it can rank a needle's span below the budget's cut)
+Routing = Literal["bounds", "learned"]
+Slow = Literal["lowrank", "quant", "raw"]  # the slow tier: low-rank SVD factors, KIVI-style codes, or raw K/V
 # which queries of a multi-token pass (the question fed after compression) rank the spans: "last", the token whose
 # output is the next token's logits (as single-token decoding ranks), or "all" (the maximum over every token,
 # where words shared by many spans — "the secret code of" before every needle — crowd the asked one out)
 RouteQuery = Literal["last", "all"]
-ZOOMS = ("learned", "similarity", "all", "none", "soft")
+ZOOMS = ("routed", "similarity", "all", "none", "soft")
+ROUTINGS = ("bounds", "learned")
+SLOWS = ("lowrank", "quant", "raw")
+MEMORY_MAX = 4.0  # memory above 4x the full KV is a typo, not a setting
 
 
 @dataclass(frozen=True)
 class SemanticConfig:
     budget: float = 0.25  # (fast tier + expanded spans) bytes / full KV bytes of the tokens seen, every step
     segment: SegmentConfig = field(default_factory=SegmentConfig)
-    zoom: Zoom = "learned"
+    memory: float | None = None  # bytes held in every tier / full KV bytes; None: the slow tier under slow_budget
+    zoom: Zoom = "routed"
+    routing: Routing = "bounds"  # how zoom="routed" ranks spans
     expand_share: float = 0.5  # share of the budget left free at compression for expanded spans (capped zooms)
     slow_budget: float = SLOW_BUDGET  # slow-tier bytes / raw span K/V bytes (predicted ranks are allocated under it)
     max_rank: int = 32  # a span's predicted rank never exceeds this
     rank: int | None = None  # fixed slow-tier rank, outside the slow budget (>= head_dim: exact); None = allocated
-    offload: Offload = "lowrank"
+    slow: Slow = "lowrank"
+    bits: int = 4  # slow="quant": bits per key / value element, one of 2, 4, 8, 16 (16: not quantized)
+    outliers: float = 0.05  # slow="quant": share of spans with the least alike keys kept unquantized
     slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
     sticky: bool = True  # expanded spans stay in a budgeted working set (least relevant evicted when over)
     route_query: RouteQuery = "last"  # queries of a multi-token pass that rank the spans (decode steps: the one)
@@ -67,8 +85,21 @@ class SemanticConfig:
                                "('soft': training only)")
         if self.route_query not in ("last", "all"):
             raise KVStateError(f"SemanticConfig.route_query={self.route_query!r} must be 'last' or 'all'")
-        if self.offload not in ("lowrank", "raw"):
-            raise KVStateError(f"SemanticConfig.offload={self.offload!r} must be 'lowrank' or 'raw'")
+        if self.routing not in ROUTINGS:
+            raise KVStateError(f"SemanticConfig.routing={self.routing!r} must be one of {', '.join(map(repr, ROUTINGS))}")
+        if self.slow not in SLOWS:
+            raise KVStateError(f"SemanticConfig.slow={self.slow!r} must be one of {', '.join(map(repr, SLOWS))}")
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise KVStateError(f"SemanticConfig.bits={self.bits!r} must be one of {', '.join(map(str, BITS))} "
+                               "(16: kept unquantized)")
+        check_float("SemanticConfig.outliers", self.outliers, 0.0, 1.0, hi_open=True, error=KVStateError,
+                    hint=" (share of spans kept unquantized)")
+        if self.memory is not None:
+            check_float("SemanticConfig.memory", self.memory, 0.0, MEMORY_MAX, lo_open=True, error=KVStateError,
+                        hint=" (bytes held in every tier / full KV bytes)")
+            if self.memory < self.budget:
+                raise KVStateError(f"SemanticConfig.memory={self.memory} is below budget={self.budget}: what one pass "
+                                   f"reads is also held; set memory >= {self.budget}")
         if not self.slow_tier and self.zoom != "none":
             raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
         if self.rank is not None:
@@ -77,4 +108,14 @@ class SemanticConfig:
     @property
     def capped(self) -> bool:
         """Whether expansion is capped by the budget (every zoom but the oracle and training)."""
-        return self.zoom in ("learned", "similarity")
+        return self.zoom in ("routed", "similarity")
+
+    @property
+    def bounds(self) -> bool:
+        """Whether the store keeps per-span key bounds (bounds routing, or the quantizer's key ranges)."""
+        return (self.routing == "bounds" and self.zoom == "routed") or self.slow == "quant"
+
+    @property
+    def route_summaries(self) -> bool:
+        """Whether the store keeps the router's per-span summaries (learned routing, and training)."""
+        return (self.routing == "learned" and self.zoom == "routed") or self.zoom == "soft"

@@ -4,21 +4,29 @@ From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Mem
 
 - *fast tier* (the model's device): full K/V of the anchors (sinks, surprisal anchors, recent window and
   every token fed after compression), and per span and KV head a summary key / value (mean of the
-  span's keys / values), a routing summary (:meth:`SemanticRouter.route_keys`) and the span's log size;
+  span's keys / values), the span's log size, and what routing needs: the per-channel min / max of the
+  keys the slow tier gives back (``routing="bounds"``, :mod:`kvstate.semantic.bounds`; for a quantized
+  span this is its quantizer range, stored once) or a routing summary (:meth:`SemanticRouter.route_keys`);
 - *slow tier* (CPU): each span's keys and values as low-rank SVD factors (:mod:`kvstate.semantic.lowrank`),
-  ranks allocated under the slow-tier budget (:mod:`kvstate.semantic.ranks`), or raw (the ablation).
+  ranks allocated under the slow-tier cap (:mod:`kvstate.semantic.ranks`), KIVI-style codes
+  (:mod:`kvstate.semantic.quant`, outlier spans unquantized), or raw (the ablation). The cap is
+  ``slow_cap`` bytes (set by the cache from ``memory``) or ``slow_budget`` x the spans' raw K/V.
 
 :meth:`SpanStore.attend` is the mixed-resolution attention: anchors at full resolution; each
 unexpanded span as one entry ``(summary key, summary value)`` with ``log |S|`` added to its logit (the
-softmax weight of ``|S|`` copies of the summary); each expanded span as its reconstructed tokens. A KV
-head wants a span when the relevance of any of its queries passes its threshold (``zoom="learned"``), or
-every span is a candidate ranked by ``q . mean key`` (``"similarity"``). The budget governs the reads:
+softmax weight of ``|S|`` copies of the summary); each expanded span as its reconstructed tokens. Under
+``zoom="routed"`` every span is a candidate ranked by Quest's bound (``routing="bounds"``: at least the
+largest logit any of its keys can give, so a span holding a key aligned with the query is never ranked
+below a span that does not reach it), or a KV head wants a span when the learned relevance of any of its
+queries passes its threshold (``"learned"``, the paper's routing); under ``"similarity"`` every span is a
+candidate ranked by ``q . mean key``. The budget governs the reads:
 candidates are taken by relevance, most relevant first, while the fast tier plus the reconstructed
 spans (all heads of a chosen span: the union is what is materialised) stay within ``budget`` x the full
 KV of the tokens seen — as Quest's top-k is capped. A pass of several tokens (the question) is ranked by
 its last token's query (``route_query="last"``, the token whose output predicts the next one) or by the
 maximum over its tokens (``"all"``). With ``sticky`` the expanded spans form a working set
-that stays on the device and stays expanded while it fits; the least relevant span is evicted first.
+that stays on the device and stays expanded while it fits; the least relevant span is evicted first;
+without it, spans are expanded for one pass and dropped (nothing held beyond the fast and slow tiers).
 Tokens fed after compression fold into spans once ``max_span`` of them have left the recent window, or
 earlier (at least ``min_span``) when the fast tier alone would pass the budget. With every span expanded
 at full rank (``zoom="all"``, the uncapped oracle) this equals full attention. Bytes are the ``nbytes``
@@ -35,15 +43,35 @@ import numpy as np
 import torch
 
 from kvstate.errors import BudgetError
+from kvstate.semantic.bounds import key_bounds, upper_bound
 from kvstate.semantic.config import SemanticConfig, Zoom
 from kvstate.semantic.lowrank import LowRank, Raw, byte_cap, encode, gate_rank, svd, truncate
+from kvstate.semantic.quant import (
+    EXACT,
+    QuantKeys,
+    QuantValues,
+    in_span_similarity,
+    outlier_spans,
+    quantize_keys,
+    quantize_values,
+)
 from kvstate.semantic.ranks import allocate_ranks, rank_cost
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation
 
-__all__ = ["SpanStore", "Zoom"]
+__all__ = ["SlowCapError", "SpanStore", "Zoom"]
 
-Factors = LowRank | Raw
+Factors = LowRank | Raw | QuantKeys | QuantValues
+
+
+class SlowCapError(BudgetError):
+    """The slow tier's minimum does not fit its cap; ``need`` is that minimum in bytes (the cache names the
+    memory it takes)."""
+
+    def __init__(self, need: int, what: str) -> None:
+        super().__init__(f"the slow tier needs at least {need} bytes ({what})")
+        self.need = need
+        self.what = what
 
 
 @dataclass
@@ -54,6 +82,9 @@ class SpanStore:
     sum_v: torch.Tensor  # (1, H, S, D) mean value per span
     route: torch.Tensor  # (H, S, R) normalised routing summary per span
     log_n: torch.Tensor  # (S,) log of each span's token count
+    k_lo: torch.Tensor | None = None  # (H, S, D) per-channel min of the keys the slow tier returns (None: no bounds)
+    k_hi: torch.Tensor | None = None  # (H, S, D) per-channel max; for a quantized span, its quantizer range
+    slow_cap: int | None = None  # bytes the slow tier may hold (from ``memory``); None: slow_budget x raw span K/V
     sizes: list[int] = field(default_factory=list)  # per span: its token count
     slow: list[tuple[Factors, Factors]] = field(default_factory=list)  # per span: (keys, values), on CPU
     raw_span_bytes: int = 0  # raw K/V bytes of the spans in the slow tier (the slow budget's reference)
@@ -70,13 +101,17 @@ class SpanStore:
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, seg: Segmentation, weights: list[np.ndarray],
-              router: SemanticRouter, layer: int, config: SemanticConfig) -> SpanStore:
-        """Compress a full layer (1, H, T, D) by ``seg``; ``weights`` are per-span surprisal weights."""
+              router: SemanticRouter, layer: int, config: SemanticConfig, slow_cap: int | None = None) -> SpanStore:
+        """Compress a full layer (1, H, T, D) by ``seg``; ``weights`` are per-span surprisal weights;
+        ``slow_cap``: bytes the slow tier may hold (:class:`SlowCapError` if its minimum does not fit)."""
         idx = torch.as_tensor(seg.anchors, dtype=torch.long)
         h, d = keys.shape[1], keys.shape[3]
+        r = router.config.routing_dim if config.route_summaries else 0
         store = cls(keys[:, :, idx].contiguous(), values[:, :, idx].contiguous(),
                     keys.new_zeros(1, h, 0, d), values.new_zeros(1, h, 0, d),
-                    keys.new_zeros(h, 0, router.config.routing_dim), keys.new_zeros(0))
+                    keys.new_zeros(h, 0, r), keys.new_zeros(0),
+                    keys.new_zeros(h, 0, d) if config.bounds else None,
+                    keys.new_zeros(h, 0, d) if config.bounds else None, slow_cap)
         store.n_tail = int(min(config.segment.recent, seg.length, len(seg.anchors)))
         spans = [(int(a), int(b)) for a, b in seg.spans]
         store._add_spans(keys[0], values[0], spans, [torch.as_tensor(w) for w in weights], router, layer, config,
@@ -98,10 +133,17 @@ class SpanStore:
         """Slow-tier entries of spans [a, b) of keys / values (H, T, D), ranks allocated under the slow budget."""
         parts = [(keys[:, a:b].cpu(), values[:, a:b].cpu()) for a, b in spans]
         raw = sum(x.nbytes for k, v in parts for x in (k, v))
-        budget = int(config.slow_budget * (self.raw_span_bytes + raw)) - self.slow_nbytes()
+        if self.slow_cap is not None:
+            budget = self.slow_cap - self.slow_nbytes()
+        else:
+            budget = int(config.slow_budget * (self.raw_span_bytes + raw)) - self.slow_nbytes()
         self.raw_span_bytes += raw
-        if config.offload == "raw":
+        if config.slow == "raw":
+            if first and self.slow_cap is not None and raw > budget:
+                raise SlowCapError(self.slow_nbytes() + raw, "raw span K/V")
             return [(Raw(k.clone()), Raw(v.clone())) for k, v in parts]
+        if config.slow == "quant":
+            return self._quant_tier(parts, config, first, budget)
         if config.rank is not None:  # a fixed rank: the oracle / ablation, outside the slow budget
             return [(encode(k, config.rank, None, False, k.dtype), encode(v, config.rank, None, True, v.dtype))
                     for k, v in parts]
@@ -124,14 +166,41 @@ class SpanStore:
         except ValueError as exc:
             if not first:  # a span folded during decoding keeps rank 1 (its share is spent below that)
                 ranks = np.ones(len(costs), dtype=np.int64)
+            elif self.slow_cap is not None:
+                raise SlowCapError(self.slow_nbytes() + sum(costs), "rank 1 per span") from None
             else:
                 need = sum(costs)
                 raise BudgetError(f"SemanticConfig.slow_budget={config.slow_budget}: {exc} — "
                                   f"slow_budget >= {need / raw:.4f} of the raw span K/V ({raw} bytes) for this "
-                                  "context; raise slow_budget, raise max_span (longer spans) or use offload='raw'") \
+                                  "context; raise slow_budget, raise max_span (longer spans) or use slow='raw'") \
                     from None
         out = [truncate(*svds[i], int(ranks[i]), keys.dtype) for i in range(len(svds))]
         return list(zip(out[0::2], out[1::2], strict=True))
+
+    def _quant_tier(self, parts: list[tuple[torch.Tensor, torch.Tensor]], config: SemanticConfig, first: bool,
+                    budget: int) -> list[tuple[Factors, Factors]]:
+        """KIVI-style entries of spans (keys, values) (H, n, D); at compression the ``outliers`` share of spans
+        with the least alike keys (ShadowKV) stay unquantized. A span folded while decoding is quantized alone."""
+        exact = outlier_spans([in_span_similarity(k) for k, _ in parts], config.outliers) if first else set()
+        out: list[tuple[Factors, Factors]] = []
+        for i, (k, v) in enumerate(parts):
+            if config.bits == EXACT or i in exact:
+                out.append((Raw(k.clone()), Raw(v.clone())))
+            else:
+                lo, hi = key_bounds(k)  # (H, D): the quantizer's range, kept by the store as the span's bounds
+                out.append((quantize_keys(k, lo, hi, config.bits), quantize_values(v, config.bits)))
+        need = sum(x.nbytes for pair in out for x in pair)
+        if first and self.slow_cap is not None and need > budget:
+            raise SlowCapError(self.slow_nbytes() + need, f"{config.bits}-bit codes, {len(exact)} outlier spans exact")
+        return out
+
+    def _keys_of(self, i: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        """The keys (H, n, D) span ``i``'s slow-tier entry gives back (a quantized entry within its bounds)."""
+        fk = self.slow[i][0]
+        if isinstance(fk, QuantKeys):
+            assert self.k_lo is not None and self.k_hi is not None
+            return fk.dequantize(self.k_lo[:, i], self.k_hi[:, i], dtype, device)
+        return fk.reconstruct(dtype, device)
 
     def _add_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]],
                    weights: list[torch.Tensor], router: SemanticRouter, layer: int, config: SemanticConfig,
@@ -139,16 +208,28 @@ class SpanStore:
         """Append spans [a, b) of keys / values (H, T, D) to both tiers."""
         if not spans:
             return
-        sk, sv, rt, ln = [], [], [], []
+        sk, sv, rt, ln, lo, hi = [], [], [], [], [], []
+        h = keys.shape[0]
         with torch.no_grad():
-            for (a, b), w in zip(spans, weights, strict=True):
+            entries = self._slow_tier(keys, values, spans, config, router, first) if config.slow_tier else []
+            for j, ((a, b), w) in enumerate(zip(spans, weights, strict=True)):
                 k, v = keys[:, a:b], values[:, a:b]  # (H, n, D)
                 sk.append(k.mean(1))
                 sv.append(v.mean(1))
-                rt.append(router.route_keys(layer, k, w).to(keys.dtype))
+                rt.append(router.route_keys(layer, k, w).to(keys.dtype) if config.route_summaries
+                          else keys.new_zeros(h, 0))
                 ln.append(float(np.log(b - a)))
-            if config.slow_tier:
-                self.slow += self._slow_tier(keys, values, spans, config, router, first)
+                if config.bounds:  # over the keys attention will read: quantized ones within their range
+                    e = entries[j][0] if entries else None
+                    read = k if e is None or isinstance(e, QuantKeys) else e.reconstruct(keys.dtype)
+                    lk, hk = key_bounds(read.to(keys.device))  # (H, D)
+                    lo.append(lk)
+                    hi.append(hk)
+            self.slow += entries
+        if lo:
+            assert self.k_lo is not None and self.k_hi is not None
+            self.k_lo = torch.cat([self.k_lo, torch.stack(lo, 1)], 1)
+            self.k_hi = torch.cat([self.k_hi, torch.stack(hi, 1)], 1)
         self.sizes += [b - a for a, b in spans]
         self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
         self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
@@ -161,7 +242,8 @@ class SpanStore:
         return sum(t.nbytes for t in (self.anchor_k, self.anchor_v, self.sum_k, self.sum_v))
 
     def fast_nbytes(self) -> int:
-        return self.kv_nbytes() + self.route.nbytes + self.log_n.nbytes
+        bounds = 0 if self.k_lo is None or self.k_hi is None else self.k_lo.nbytes + self.k_hi.nbytes
+        return self.kv_nbytes() + self.route.nbytes + self.log_n.nbytes + bounds
 
     def working_nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in self._working.values())
@@ -202,15 +284,20 @@ class SpanStore:
         self.n_tail -= n
 
     def decide(self, query: torch.Tensor, scaling: float, router: SemanticRouter, layer: int,
-               zoom: Zoom) -> tuple[torch.Tensor, torch.Tensor]:
+               config: SemanticConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """Spans each KV head wants and their relevance: query (Hq, Tq, D) → (H, S) bool, (H, S) float."""
+        zoom = config.zoom
         h, s = self.sum_k.shape[1], self.n_spans
         if zoom in ("all", "soft", "none") or s == 0:
             return torch.full((h, s), zoom in ("all", "soft")), torch.zeros(h, s)
         g = query.shape[0] // h
+        qg = query.reshape(h, -1, query.shape[-1])  # (H, g*Tq, D) the query heads of each KV head
         if zoom == "similarity":  # SentenceKV-like: query . mean key, every span a candidate
-            qg = query.reshape(h, -1, query.shape[-1])  # (H, g*Tq, D)
             score = (qg @ self.sum_k[0].transpose(-1, -2) * scaling).amax(1).float()  # (H, S)
+            return torch.ones(h, s, dtype=torch.bool), score
+        if config.routing == "bounds":  # the largest logit a span's keys can give, over the group's queries
+            assert self.k_lo is not None and self.k_hi is not None
+            score = (upper_bound(qg, self.k_lo, self.k_hi) * scaling).amax(1)  # (H, S)
             return torch.ones(h, s, dtype=torch.bool), score
         z = router.zoom_logits(layer, query, self.route).amax(1)  # (Hq, S): relevance - threshold
         score = z.view(h, g, s).amax(1)  # (H, S)
@@ -240,7 +327,7 @@ class SpanStore:
         in the working set are not reconstructed again."""
         if self._joined is not None and self._joined[0] == chosen:
             return self._joined[1:]
-        work = {i: self._working.get(i) or (self.slow[i][0].reconstruct(dtype, device),
+        work = {i: self._working.get(i) or (self._keys_of(i, dtype, device),
                                             self.slow[i][1].reconstruct(dtype, device)) for i in chosen}
         rk = torch.cat([work[i][0] for i in chosen], 1)  # (H, n_exp, D)
         rv = torch.cat([work[i][1] for i in chosen], 1)
@@ -273,7 +360,7 @@ class SpanStore:
         vals = [va]
         with torch.no_grad():
             rq = q.detach() if config.route_query == "all" else q.detach()[:, -1:]  # (Hq, Tq or 1, D)
-            want, score = self.decide(rq, scaling, router, layer, zoom)  # (H, S)
+            want, score = self.decide(rq, scaling, router, layer, config)  # (H, S)
             sticky = config.sticky and config.capped and self.sticky is not None
             if sticky:  # the working set stays a candidate; if it no longer fits, the least relevant goes
                 want[:, : self.sticky.shape[1]] |= self.sticky
@@ -309,4 +396,6 @@ class SpanStore:
         self.full_at.append(self.full_nbytes())
         p = torch.softmax(torch.cat(logits, -1).float(), -1).to(q.dtype)  # (H, g*Tq, A + S + n_exp)
         out = p @ torch.cat(vals, 1)  # (H, g*Tq, D)
+        if not (config.sticky and config.capped):  # no working set: what was expanded is dropped, not held
+            self._working, self._joined = {}, None
         return out.reshape(1, hq, tq, d)

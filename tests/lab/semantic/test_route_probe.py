@@ -24,6 +24,6 @@ def test_probe_ranks_the_needle_span_and_leaves_the_store_as_it_was(tmp_path):
     for row in out["layers"].values():
         assert 0.0 <= row["anchored"] <= 1.0
         if "rank_bounds" in row:  # the needle fell in a span: each score ranked it among the spans
-            assert 0 <= row["rank_learned"] < row["n_spans"] and 0 <= row["rank_bounds"] < row["n_spans"]
+            assert 0 <= row["rank_shipped_bounds"] < row["n_spans"] and 0 <= row["rank_bounds"] < row["n_spans"]
             assert 0.0 <= row["expanded"] <= 1.0 and row["n_chosen"] <= row["n_spans"]
     assert any("rank_bounds" in row for row in out["layers"].values())  # at least one needle landed in a span

@@ -71,12 +71,14 @@ def test_byte_counts_equal_the_tensors_held_and_read(monkeypatch):
     assert b.full_bytes == len(stores) * (T + 12) * token
 
 
-@pytest.mark.parametrize("zoom,sticky", [("similarity", False), ("learned", True), ("similarity", True)])
+@pytest.mark.parametrize("zoom,sticky", [("similarity", False), ("routed", True), ("similarity", True)])
 def test_reads_never_exceed_the_budget_while_decoding_folds_tokens_into_spans(zoom, sticky):
     model = tiny_model("qwen3")
     budget = 0.55
-    cache = SemanticCache(model, config=SemanticConfig(budget=budget, segment=SEG, zoom=zoom, sticky=sticky))
-    if zoom == "learned":  # an untrained router expanding every span: only the cap limits it
+    routing = "learned" if zoom == "routed" else "bounds"
+    cache = SemanticCache(model, config=SemanticConfig(budget=budget, segment=SEG, zoom=zoom, sticky=sticky,
+                                                       routing=routing))
+    if zoom == "routed":  # an untrained router expanding every span: only the cap limits it
         with torch.no_grad():
             cache.router.beta.fill_(10.0)
     prefill_and_compress(model, cache, _ids(3, T))
@@ -126,8 +128,12 @@ def test_a_multi_token_pass_ranks_spans_by_its_last_query_by_default(route_query
     config = SemanticConfig(budget=0.9, zoom="similarity", sticky=False, **kw)
     assert 4 * st.token_bytes <= st.allowance(config.budget) < 8 * st.token_bytes  # one span fits, not two
     query = torch.stack([5 * e[0], e[1]])[None, None]  # (1, Hq, Tq=2, D): token 0 -> span 0, last token -> span 1
+    seen = []
+    recon = st._reconstruct
+    st._reconstruct = lambda chosen, *a: seen.append(chosen) or recon(chosen, *a)
     st.attend(query, 1.0, None, 0, config)
-    assert st._joined is not None and st._joined[0] == expanded
+    assert seen == [expanded]
+    assert st._joined is None and st.working_nbytes() == 0  # not sticky: expanded for the pass, then dropped
 
 
 def _brute(gains, costs, caps, budget):
@@ -197,7 +203,7 @@ def test_slow_tier_at_its_budget_is_smaller_than_raw_and_exact_at_full_rank():
         model(input_ids=ids, cache=full, position_ids=torch.arange(T)[None])
         ref = model(input_ids=q, cache=full, position_ids=torch.arange(T, T + 6)[None]).logits
     for cfg in (SemanticConfig(budget=0.6, segment=seg, zoom="all", rank=64),
-                SemanticConfig(budget=0.6, segment=seg, zoom="all", offload="raw")):
+                SemanticConfig(budget=0.6, segment=seg, zoom="all", slow="raw")):
         exact = SemanticCache(model, config=cfg)
         prefill_and_compress(model, exact, ids)
         with semantic_attention(model), torch.no_grad():
@@ -219,7 +225,7 @@ def test_budget_errors_name_the_minimum():
 
 @pytest.mark.parametrize("kw,field", [({"expand_share": 1.0}, "expand_share"), ({"expand_share": -0.1}, "expand_share"),
                                       ({"slow_budget": 0.0}, "slow_budget"), ({"slow_budget": True}, "slow_budget"),
-                                      ({"max_rank": 0}, "max_rank"), ({"offload": "disk"}, "offload"),
+                                      ({"max_rank": 0}, "max_rank"), ({"slow": "disk"}, "slow"), ({"routing": "nearest"}, "routing"), ({"bits": 3}, "bits"), ({"bits": True}, "bits"), ({"outliers": 1.0}, "outliers"), ({"memory": 0.1}, "memory"), ({"memory": 5.0}, "memory"),
                                       ({"zoom": "nearest"}, "zoom"), ({"route_query": "first"}, "route_query")])
 def test_config_refuses_out_of_range_fields(kw, field):
     from kvstate.errors import KVStateError

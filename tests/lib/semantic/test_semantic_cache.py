@@ -163,10 +163,12 @@ def test_budget_accounting_equals_tensor_bytes():
     layers = cache.semantic_layers
     k0 = layers[0].store.anchor_k
     h, d, e = k0.shape[1], k0.shape[3], k0.element_size()
-    token_bytes, span_bytes = 2 * h * d * e, h * (2 * d + cache.router.config.routing_dim) * e + e
+    # bounds routing: mean key / value and min / max key per span and head, no routing summary
+    token_bytes, span_bytes = 2 * h * d * e, h * 4 * d * e + e
     predicted = len(layers) * fast_bytes(cache.segmentation, token_bytes, span_bytes)
     measured_fast = sum(t.nbytes for layer in layers for t in (layer.store.anchor_k, layer.store.anchor_v,
-                        layer.store.sum_k, layer.store.sum_v, layer.store.route, layer.store.log_n))
+                        layer.store.sum_k, layer.store.sum_v, layer.store.route, layer.store.log_n,
+                        layer.store.k_lo, layer.store.k_hi))
     measured_slow = sum(x.nbytes for layer in layers for pair in layer.store.slow for lr in pair for x in (lr.a, lr.b))
     got = cache.nbytes()
     assert got["fast"] == predicted == measured_fast

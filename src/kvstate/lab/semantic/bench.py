@@ -15,7 +15,7 @@ the tensors (:class:`kvstate.semantic.accounting.ByteCounts`). In-process method
 - ``sentencekv``: a SentenceKV-like sentence-level retrieval, labelled as such — sentences (cut after
   ``.``) are spans whose mean keys stay on the device; the raw sentence K/V is offloaded and the
   sentences whose mean key scores highest against the query are read back within the budget
-  (``zoom="similarity"``, ``offload="raw"``);
+  (``zoom="similarity"``, ``slow="raw"``);
 - ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.lab.semantic.quest`);
 - ``streaming``: StreamingLLM-like sinks + rolling window; ``window``: the window only
   (:mod:`kvstate.lab.semantic.window`).
@@ -128,9 +128,9 @@ def method_config(method: str, budget: float, segment: SegmentConfig, expand_sha
     share = {"expand_share": expand_share}
     if method in SEKV_METHODS:
         return SemanticConfig(budget=budget, segment=segment, slow_budget=slow_budget, sticky=method != "sekv_fresh",
-                              offload="raw" if method == "sekv_raw" else "lowrank", **share)
+                              slow="raw" if method == "sekv_raw" else "lowrank", **share)
     if method == "sentencekv":
-        return SemanticConfig(budget=budget, segment=segment, zoom="similarity", offload="raw", sticky=False, **share)
+        return SemanticConfig(budget=budget, segment=segment, zoom="similarity", slow="raw", sticky=False, **share)
     if method == "window":
         return SemanticConfig(budget=budget, segment=SegmentConfig(sinks=0, recent=segment.recent), zoom="none",
                               slow_tier=False)
@@ -239,7 +239,8 @@ def _item(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, it: Ite
             continue
         cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
                                                                slow_budget)) if method in SEKV_METHODS else None
-        key = dataclasses.replace(cfg, sticky=False) if cfg is not None else None
+        # without a memory cap, sticky is the one setting compression does not read
+        key = (dataclasses.replace(cfg, sticky=False) if cfg.memory is None else cfg) if cfg is not None else None
         try:
             cache = shared[key].fork(cfg) if key in shared else \
                 compressed_cache(method, model, tokenizer, it, budget, router, segment, cfg, expand_share,

@@ -5,7 +5,8 @@ A dev-seed probe for "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchi
 ``sekv`` method does, feeds the question once, and records, at every attention layer of that pass, the
 spans the router scored and the ones the budget let it expand. The needle's span(s) — those holding a
 token of the asked value — are then ranked three ways over the same spans and the same last-token query:
-the learned relevance (what SEKV uses), the Quest bound ``sum_d max(q_d min_d, q_d max_d)`` of each span's
+the shipped routing's score (``--routing bounds``: the bound over the keys the slow tier gives back;
+``learned``: the paper's learned relevance), the Quest bound ``sum_d max(q_d min_d, q_d max_d)`` of each span's
 raw keys (what the Quest-like baseline uses over pages) and ``q . mean key`` (SentenceKV-like). Printed per
 layer: how often the needle was in an anchor, how often a needle span was expanded, and its median rank
 and top-k hit rate under each score. Run on dev seeds only::
@@ -29,7 +30,7 @@ from kvstate.lab.harness import load_reference
 from kvstate.lab.protocol import DEV_SEEDS
 from kvstate.lab.semantic.bench import compressed_cache, prefill
 from kvstate.lab.semantic.protocol import build_items
-from kvstate.semantic import SegmentConfig, SemanticRouter, semantic_attention
+from kvstate.semantic import SegmentConfig, SemanticConfig, SemanticRouter, semantic_attention
 from kvstate.semantic.store import SpanStore
 
 
@@ -48,7 +49,7 @@ def _ranks(score: torch.Tensor, targets: list[int]) -> int:
 
 
 def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, seed: int,
-          recent: int = 16, max_span: int = 32) -> dict[str, Any]:
+          recent: int = 16, max_span: int = 32, routing: str = "bounds") -> dict[str, Any]:
     model, tokenizer = load_reference(model_dir)
     model.eval()
     router = SemanticRouter.load(router_dir, model)
@@ -57,8 +58,8 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
     calls: list[dict[str, Any]] = []
     decide, select = SpanStore.decide, SpanStore.select
 
-    def rec_decide(self: SpanStore, query: torch.Tensor, scaling: float, router: Any, layer: int, zoom: Any) -> Any:
-        want, score = decide(self, query, scaling, router, layer, zoom)
+    def rec_decide(self: SpanStore, query: torch.Tensor, scaling: float, router: Any, layer: int, config: Any) -> Any:
+        want, score = decide(self, query, scaling, router, layer, config)
         calls.append({"layer": layer, "store": self, "query": query, "scaling": scaling, "score": score})
         return want, score
 
@@ -73,7 +74,8 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
         for it in items:
             pre = prefill(model, it)
             raw = {i: layer.keys for i, layer in enumerate(pre.cache.layers) if getattr(layer, "keys", None) is not None}
-            cache = compressed_cache("sekv", model, tokenizer, it, budget, router, segment, prefilled=pre)
+            cache = compressed_cache("sekv", model, tokenizer, it, budget, router, segment, prefilled=pre,
+                                     config=SemanticConfig(budget=budget, segment=segment, routing=routing))
             needle = _needle(it, tokenizer)
             seg = cache.segmentation
             spans = [(int(a), int(b)) for a, b in seg.spans]
@@ -99,7 +101,7 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
                 bound = torch.maximum(qg[:, :, None, :] * lo[:, None], qg[:, :, None, :] * hi[:, None]).sum(-1)
                 mean = torch.stack([keys[:, a:b].mean(1) for a, b in spans], 1).float()
                 sim = torch.einsum("hgd,hsd->hgs", qg, mean)
-                scores = {"learned": c["score"].amax(0), "bounds": bound.amax(1).amax(0), "mean_key": sim.amax(1).amax(0)}
+                scores = {f"shipped_{routing}": c["score"].amax(0), "bounds": bound.amax(1).amax(0), "mean_key": sim.amax(1).amax(0)}
                 stats["expanded"].append(float(bool(c["chosen"][target].any())))
                 stats["n_chosen"].append(float(c["chosen"].sum()))
                 stats["n_spans"].append(float(len(spans)))
@@ -111,7 +113,8 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
         SpanStore.decide, SpanStore.select = decide, select  # type: ignore[method-assign]
     layers = {L: {k: round(float(np.median(v)) if k.startswith(("rank_", "n_")) else float(np.mean(v)), 3)
                   for k, v in s.items() if v} for L, s in sorted(per.items())}  # ranks / counts: medians; rates: means
-    return {"model": model_dir, "router": router_dir, "length": length, "budget": budget, "n": n, "seed": seed,
+    return {"model": model_dir, "router": router_dir, "routing": routing, "length": length, "budget": budget,
+            "n": n, "seed": seed,
             "layers": layers}
 
 
@@ -123,11 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=DEV_SEEDS[0])
+    ap.add_argument("--routing", choices=("bounds", "learned"), default="bounds")
     a = ap.parse_args(argv)
     if a.seed not in DEV_SEEDS:
         sys.exit(f"--seed {a.seed}: this probe tunes nothing but reads items; use a dev seed {list(DEV_SEEDS)}")
     torch.set_num_threads(1)
-    res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed)
+    res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed, routing=a.routing)
     for L, row in res["layers"].items():
         print(f"layer {L}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
     print(json.dumps(res))
