@@ -25,11 +25,12 @@ TTFT p50 cached / uncached at concurrency 1 and 8; output tokens/s at concurrenc
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/serve_clients.py [--model models/ref-hybrid] [--requests 32]
 [--profiles sync c1 c4 c8 c16 poisson] [--rates 0.5 1 2] [--clients guidellm infperf]
 [--guidellm-data synthetic|vocab] [--prefix-tokens 1024] [--prompt-tokens 64] [--output-tokens 32]
-[--workdir DIR] [--out FILE]``; a smoke run: ``--requests 4 --profiles c1 c8 --rates 1``.
+[--seed 1000] [--workdir DIR] [--out FILE]``; a smoke run: ``--requests 4 --profiles c1 c8 --rates 1``.
 Progress and a table on stderr, one JSON line on stdout; ``--out`` appends the run, with provenance, to a
 ``kvstate-results/1`` file. Needs ``make clients``. Ignored: GuideLLM's chat endpoint, sampling (both
 clients ask for ``ignore_eos`` greedy-length outputs), repeats (one run per cell; a client's own
-percentiles are over its requests).
+percentiles are over its requests). The run records the serving targets as met / missed (one run, so
+a ratio beside its bound decides) and ``os.getloadavg()`` before each client run and at the end.
 """
 
 from __future__ import annotations
@@ -73,14 +74,15 @@ def free_port() -> int:
 class Server:
     """``kvstate serve`` in a subprocess on a free loopback port, one thread, its stderr in a log file."""
 
-    def __init__(self, model: Path, cache: bool, name: str, logs: Path) -> None:
+    def __init__(self, model: Path, cache: bool, name: str, logs: Path, extra: list[str] | None = None,
+                 threads: int = 1) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logs / f"server-{name}.log"
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "kvstate.cli", "serve", "--model", str(model), "--port", str(self.port),
-               *([] if cache else ["--no-cache"])]
+               *([] if cache else ["--no-cache"]), *(extra or [])]
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
@@ -109,6 +111,16 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's ``/metrics`` as ``{"name{labels}": value}`` (Prometheus text, comments dropped)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 def vocab_words(model: Path) -> list[str]:
@@ -186,6 +198,16 @@ def guidellm(server: Server, model_name: str, data: dict[str, Any], args: argpar
             for r in new:
                 r["errors"] = [e + f" -- the server, to GuideLLM's body: {why}" if "400 Bad Request" in e else e
                                for e in r["errors"]]
+        if any("503" in e for r in new for e in r["errors"]):
+            streams = max([int(r["profile"][1:]) for r in new if r["profile"].startswith("c") and r["failed"]] or [16])
+            prompt = json.loads((work / "guidellm-vocab.jsonl").read_text().splitlines()[0]) if (
+                work / "guidellm-vocab.jsonl").exists() else {"prefix": "", "prompt": "the"}
+            replies = probe_refusals(server.url, model_name, prompt["prefix"] + " " + prompt["prompt"], streams,
+                                     args.output_tokens)
+            for r in new:
+                if any("503" in e for e in r["errors"]):
+                    r["server_replies_probe"] = replies  # the same load again, the bodies verbatim
+            log(f"  503 probe ({streams} streams): {replies}")
         rows += new
         log(f"  guidellm {group} on {server.name}: {time.perf_counter() - t0:.0f} s, "
             + ", ".join(f"{r['profile']} {r['ok']} ok / {r['failed']} failed" for r in new))
@@ -208,6 +230,35 @@ def guidellm_400(url: str, model_name: str, max_tokens: int) -> str:
         return str(r.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return r.text[:300]
+
+
+def probe_refusals(url: str, model_name: str, prompt: str, streams: int, max_tokens: int) -> dict[str, int]:
+    """The server's non-200 replies (status and body, verbatim) to ``streams`` concurrent streaming requests of
+    GuideLLM's shape, each stream sending its next request as soon as its last one ended, 3 requests each
+    (GuideLLM's error record keeps only the status line, not the body)."""
+    import concurrent.futures as cf
+
+    body = {"model": model_name, "stream": True, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    seen: dict[str, int] = {}
+
+    def one_stream() -> list[str]:
+        got = []
+        with httpx.Client(timeout=300) as c:
+            for _ in range(3):
+                with c.stream("POST", url + "/v1/completions", json=body) as r:
+                    text = r.read().decode(errors="replace")
+                    if r.status_code != 200:
+                        got.append(f"HTTP {r.status_code}: {text.strip()}")
+                    elif '"error"' in text:
+                        got.append("HTTP 200, error event: " + next(x for x in text.splitlines() if '"error"' in x))
+        return got
+
+    with cf.ThreadPoolExecutor(streams) as ex:
+        for got in ex.map(lambda _: one_stream(), range(streams)):
+            for g in got:
+                seen[g] = seen.get(g, 0) + 1
+    return seen
 
 
 def _profile_name(strategy: dict[str, Any]) -> str:
@@ -269,7 +320,7 @@ def infperf(server: Server, model_name: str, args: argparse.Namespace, work: Pat
         "data": {"type": "shared_prefix", "shared_prefix": {
             "num_groups": 1, "num_prompts_per_group": max(args.requests, 1),
             "system_prompt_len": args.prefix_tokens, "question_len": args.prompt_tokens,
-            "output_len": args.output_tokens, "seed": 0}},
+            "output_len": args.output_tokens, "seed": args.seed}},
         "load": {"type": "concurrent", "interval": 0.5, "num_workers": 1,
                  "stages": [{"num_requests": args.requests, "concurrency_level": c} for c in levels],
                  "request_timeout": args.request_timeout},
@@ -360,6 +411,34 @@ def table(rows: list[dict[str, Any]]) -> None:
                 errors.discard(e)
 
 
+TARGETS = (  # (name, ratio key, bound): the serving targets, each ratio <= its bound
+    ("TTFT p50 cached <= 1/2 uncached, c1", "ttft_p50_cached_over_uncached_c1", 0.5),
+    ("TTFT p50 cached <= 1/2 uncached, c8", "ttft_p50_cached_over_uncached_c8", 0.5),
+    ("output tok/s c8 >= 3x c1 (cached)", "c1_over_c8_output_tok_s_cached", 1 / 3),
+    ("TTFT p99 c8 <= 4x p50 c1 (cached)", "ttft_p99_c8_over_p50_c1_cached", 4.0),
+)
+
+
+def targets(rows: list[dict[str, Any]], summary: dict[str, dict[str, float | None]]) -> dict[str, Any]:
+    """Met / missed per target and client (one run: no interval, so a ratio beside its bound decides it)."""
+    failed = sum(r["failed"] or 0 for r in rows) + sum(1 for r in rows if r["failed"] is None)
+    out: dict[str, Any] = {"0 failed requests in every run": {"value": failed, "status": "met" if failed == 0 else "missed"}}
+    for name, key, bound in TARGETS:
+        for client, rat in summary.items():
+            if key == "c1_over_c8_output_tok_s_cached":
+                v = rat.get("output_tok_s_c8_over_c1_cached")
+                status = "undecided" if v is None else ("met" if v >= 3.0 else "missed")
+            else:
+                v = rat.get(key)
+                status = "undecided" if v is None else ("met" if v <= bound else "missed")
+            out[f"{name} [{client}]"] = {"value": v, "status": status}
+    return out
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def client_version(exe: Path, package: str) -> str:
     py = exe.parent / "python"
     try:
@@ -380,6 +459,7 @@ def main() -> None:
     ap.add_argument("--prefix-tokens", type=int, default=1024)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=1000, help="data seed (vocab prefix / prompts; inference-perf's)")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds, per request (both clients)")
     ap.add_argument("--client-timeout", type=float, default=1800.0, help="seconds, per client invocation")
     ap.add_argument("--guidellm", type=Path, default=GUIDELLM)
@@ -396,7 +476,7 @@ def main() -> None:
                 "inference-perf": client_version(args.inference_perf, "inference-perf")}
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                 if k not in ("out", "workdir", "guidellm", "inference_perf")} | {"client_versions": versions}
-    rec = Recorder(code=("serve", "prefix", "models"), models=[args.model], n=args.requests, seeds=[0],
+    rec = Recorder(code=("serve", "prefix", "models"), models=[args.model], n=args.requests, seeds=[args.seed],
                    tasks=[f"{c}:{p}" for c in args.clients for p in args.profiles],
                    lengths=[args.prefix_tokens, args.prompt_tokens, args.output_tokens], settings=settings)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="serve_clients-"))
@@ -404,7 +484,7 @@ def main() -> None:
     if args.guidellm_data == "vocab":
         path = work / "guidellm-vocab.jsonl"
         write_vocab_dataset(path, args.model, max(args.requests * 4, 64), args.prefix_tokens, args.prompt_tokens,
-                            args.output_tokens, seed=0)
+                            args.output_tokens, seed=args.seed)
         data: dict[str, Any] = {"kind": "json_file", "path": str(path)}
     else:
         data = {"kind": "synthetic_text", "prefix_tokens": args.prefix_tokens, "prefix_count": 1,
@@ -412,6 +492,7 @@ def main() -> None:
     log(f"clients {versions}; outputs in {work}")
     servers: list[Server] = []
     rows: list[dict[str, Any]] = []
+    load = {"start": loadavg()}
     try:
         for cache, name in ((True, "cache"), (False, "no-cache")):
             servers.append(Server(args.model, cache, name, work))
@@ -422,29 +503,39 @@ def main() -> None:
                        timeout=120)
         for client in args.clients:
             for s in servers:
-                log(f"{client} -> {s.name}")
+                log(f"{client} -> {s.name} (load average {loadavg()})")
+                load[f"{client}->{s.name}"] = loadavg()
                 rows += (guidellm(s, names[s.name], data, args, work) if client == "guidellm"
                          else infperf(s, names[s.name], args, work))
     finally:
         for s in servers:
             s.stop()
+    load["end"] = loadavg()
     table(rows)
     summary = {c: ratios(rows, c) for c in args.clients}
     for c, r in summary.items():
         print(f"{c}: " + ", ".join(f"{k} {_f(v, 1, '.3f')}" for k, v in r.items()), file=sys.stderr)
+    verdicts = targets(rows, summary)
+    for name, v in verdicts.items():
+        print(f"target {name}: {_f(v['value'], 1, '.3f')} -> {v['status']}", file=sys.stderr)
+    print(f"load average (1/5/15 min) {load}; {os.cpu_count()} CPUs", file=sys.stderr)
     want = args.prefix_tokens + args.prompt_tokens
     for r in rows:
         got = r.get("prompt_tokens_p50")
-        if r["ok"] and got is not None and got < 0.5 * want:
+        if r["ok"] and not r["failed"] and got is not None and got < 0.5 * want:
             log(f"warning: {r['client']} {r['server']} {r['profile']} sent {got:.0f} prompt tokens per request, "
                 f"not ~{want}: its text does not survive this tokenizer (try --guidellm-data vocab)")
             break
     failed = sum(r["failed"] or 0 for r in rows) + sum(1 for r in rows if r["failed"] is None)
     out = {"benchmark": "serve_clients", "model": str(args.model), "guidellm_data": args.guidellm_data,
+           "guidellm_data_note": ("JSONL of words from the model's vocabulary, so the shared prefix reaches the server "
+                                  "at full length (GuideLLM's synthetic text is mostly <unk> here)"
+                                  if args.guidellm_data == "vocab" else "GuideLLM synthetic_text"),
            "requests": args.requests, "profiles": args.profiles, "rates": args.rates,
            "prefix_tokens": args.prefix_tokens, "prompt_tokens": args.prompt_tokens,
            "output_tokens": args.output_tokens, "client_versions": versions, "failed_requests_or_runs": failed,
-           "ratios": summary, "rows": rows, "workdir": str(work)}
+           "ratios": summary, "targets": verdicts, "load_average": load, "cpus": os.cpu_count(),
+           "seed": args.seed, "rows": rows, "workdir": str(work)}
     if args.out is not None:
         append_run(args.out, out, rec.finish())
     print(json.dumps(out))
