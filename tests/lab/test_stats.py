@@ -82,3 +82,56 @@ def test_paired_perplexity_ratio_is_exact_and_tighter_than_unpaired():
     assert (est.hi - est.lo) < (pa.hi - pa.lo) / pb.value  # pairing removes the per-text difficulty spread
     with pytest.raises(KVStateError, match="same texts"):
         stats.paired_perplexity_ratio(nll_a, tokens, nll_b, tokens + 1)
+
+
+def test_a_constant_sample_still_has_an_honest_width():
+    ones = stats.rate([1] * 25)  # 0/1: Wilson, so 25 of 25 does not pin the rate at 1
+    assert ones.lo == pytest.approx(stats.wilson(25, 25).lo) and ones.lo < 0.9
+    assert stats.decide(ones.lo, ones.hi, 0.9) == "undecided"
+    half = stats.rate([0.5] * 100)  # partial credit, all equal: the conservative Wilson bound, not [0.5, 0.5]
+    assert half.lo < 0.5 < half.hi and half.ci == pytest.approx(stats.wilson(50, 100).ci, abs=1e-9)
+    tie = stats.paired_difference([1] * 40, [1] * 40)  # every pair concordant: the discordant rate is bounded
+    u = stats.wilson(0, 40).hi
+    assert tie.value == 0 and tie.lo == pytest.approx(-u) and tie.hi == pytest.approx(u)
+    assert stats.decide(tie.lo, tie.hi, -0.05) == "undecided"  # "no worse than 5 points" is not met by 40 ties
+    win = stats.paired_difference([1] * 40, [0] * 40)
+    assert win.value == 1 and win.lo == pytest.approx(stats.wilson(40, 40).lo) and win.hi == 1
+    assert stats.paired_difference([0] * 40, [1] * 40).ci == pytest.approx([-1, -stats.wilson(40, 40).lo])
+    partial = stats.paired_difference([0.6] * 50, [0.5] * 50)
+    assert partial.lo < 0.1 < partial.hi and partial.hi - partial.lo > 0.1
+
+
+def test_a_zero_width_interval_and_a_straddling_one_are_undecided():
+    flat = stats.perplexity([3.0] * 5, [3] * 5)  # unbounded values without spread: no width to be had
+    assert flat.lo == flat.hi and stats.decide(flat.lo, flat.hi, 10.0, higher_is_better=False) == "undecided"
+    assert stats.decide(0.5, 0.5, 0.1) == "undecided"
+    assert stats.decide(-0.156, 0.046, 0.0) == "undecided"  # a straddling interval is never met
+    assert stats.decide(-0.156, 0.046, 0.0, higher_is_better=False) == "undecided"
+
+
+def test_a_timing_target_needs_five_repeats_with_a_spread():
+    with pytest.raises(KVStateError, match=r"3 repeat.*>= 5"):
+        stats.timing([1.0, 1.1, 1.2])
+    with pytest.raises(KVStateError, match="no spread"):
+        stats.timing([2.0] * 5)
+    five = stats.timing([1.0, 1.3, 1.1, 1.2, 1.4])
+    assert five.value == pytest.approx(1.2) and five.ci == [1.0, 1.4] and five.n == 5  # the range
+    many = stats.timing(np.linspace(1.0, 2.0, 30))
+    assert 1.0 < many.lo < many.value < many.hi < 2.0  # order statistics inside the range
+    with pytest.raises(KVStateError, match=r"3 repeats"):
+        stats.timing_row(1.46, [1.40, 1.54], 3)
+    with pytest.raises(KVStateError, match="no spread"):
+        stats.timing_row(1.46, None, 5)
+    with pytest.raises(KVStateError, match="no repeats"):
+        stats.timing_row(1.46, [1.40, 1.54], None)
+    row = stats.timing_row(1.46, [1.40, 1.54], 5)  # the median under 1.5x, one repeat over it
+    assert stats.decide(row.lo, row.hi, 1.5, higher_is_better=False) == "undecided"
+
+
+def test_a_check_is_shown_apart_and_never_counted_as_met():
+    cap = stats.Check("reads <= budget", True, "the reader caps reads at the budget")
+    assert cap.kind == "check"
+    assert stats.tally(["met", "undecided", cap, stats.Check("total <= 0.5x", False, "the constants")]) == {
+        "met": 1, "missed": 0, "undecided": 1, "checks": 2, "checks_failing": 1}
+    with pytest.raises(KVStateError, match="neither"):
+        stats.tally(["stale"])

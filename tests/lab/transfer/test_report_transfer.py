@@ -78,7 +78,8 @@ def test_reuse_between_raw_and_scd_and_patch_monotone_are_decided_on_paired_item
     assert got["REUSE alone between raw and SCD"].status == "missed"  # REUSE below raw
     assert got["PATCH quality non-decreasing in k within intervals"].status == "missed"  # k = 1 below k = 0 (REUSE)
     got = rows({"raw": 20, "reuse": 20, "scd": 20, "scd_k1": 20, "oracle": 32})
-    assert got["REUSE alone between raw and SCD"].status == "met"  # level on every item: raw <= REUSE <= SCD holds
+    # level on every item: a tie on 40 items bounds each step within about +-0.09 (Wilson), so not decided
+    assert got["REUSE alone between raw and SCD"].status == "undecided"
     assert got["PATCH quality non-decreasing in k within intervals"].status == "met"  # no step down
 
 
