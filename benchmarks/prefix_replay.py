@@ -87,7 +87,7 @@ def compare_placement(model, vocab: int, args: argparse.Namespace) -> None:  # t
         for name in args.workloads:
             n = max(20, args.requests // 4) if name == "narrativeqa" else args.requests
             scale = args.scale / 2 if name == "narrativeqa" else args.scale
-            reqs = generate(name, n, seed=0, vocab=vocab, scale=scale)
+            reqs = generate(name, n, seed=args.seed, vocab=vocab, scale=scale)
             for placement in args.placement:
                 cfg = PrefixCacheConfig(budget, slots, "optimal", placement=placement)
                 r = replay(model, reqs, cfg, no_cache_baseline=not args.no_baseline)
@@ -122,6 +122,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["quality", "narrativeqa", "system_prompts", "chat"])
     ap.add_argument("--grid", type=_grid, default=[(BUDGET, 8)], help="budget:slots pairs, comma-separated")
     ap.add_argument("--no-baseline", action="store_true", help="skip the no-cache prefills (faster)")
+    ap.add_argument("--seed", type=int, default=0, help="trace seed: < 1000 for tuning; a result under models/ takes "
+                    "a fresh test seed (>= 1000, see models/seeds_used.json)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved timing repeats with and without the cache")
     ap.add_argument("--declare", action="store_true", help="requests declare where they part (document ends)")
     ap.add_argument("--no-example", action="store_true", help="skip the 12-request example")
@@ -130,7 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rec = Recorder(code=("prefix", "models", "lab/prefix/replay.py", "lab/workloads/traces.py"), models=[MODEL],
-                   n=args.requests, seeds=[0], tasks=args.workloads,
+                   n=args.requests, seeds=[args.seed], tasks=args.workloads,
                    settings={"scale": args.scale, "placement": args.placement, "grid": args.grid})
     model = load_model(MODEL)
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -142,12 +144,12 @@ def main() -> None:
         print(json.dumps(out))
         return
     workloads = {
-        "quality": generate("quality", args.requests, seed=0, vocab=vocab, scale=args.scale),
+        "quality": generate("quality", args.requests, seed=args.seed, vocab=vocab, scale=args.scale),
         "narrativeqa": generate(
-            "narrativeqa", max(20, args.requests // 4), seed=0, vocab=vocab, scale=args.scale / 2
+            "narrativeqa", max(20, args.requests // 4), seed=args.seed, vocab=vocab, scale=args.scale / 2
         ),
-        "system_prompts": generate("system_prompts", args.requests, seed=0, vocab=vocab, scale=args.scale),
-        "chat": generate("chat", args.requests, seed=0, vocab=vocab, scale=args.scale),
+        "system_prompts": generate("system_prompts", args.requests, seed=args.seed, vocab=vocab, scale=args.scale),
+        "chat": generate("chat", args.requests, seed=args.seed, vocab=vocab, scale=args.scale),
     }
     workloads = {k: v for k, v in workloads.items() if k in args.workloads}
     rows = []

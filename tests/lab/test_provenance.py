@@ -66,3 +66,27 @@ def test_model_digest_ignores_cards_and_results(tmp_path):
     assert P.model_digest(tmp_path) == d
     (tmp_path / "config.json").write_text('{"a": 1}')
     assert P.model_digest(tmp_path) != d
+
+
+def test_the_digest_covers_what_the_run_imported_and_its_driver_script(tmp_path, monkeypatch):
+    import sys
+
+    import kvstate.lab.stats  # noqa: F401  (imported: must be covered without being listed)
+
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    driver = bench / "drive.py"
+    driver.write_text("print('v1')\n")
+    monkeypatch.setattr(P, "SCRIPT_DIRS", (bench,))
+    monkeypatch.setattr(sys, "argv", [str(driver), "--out", "x"])
+    files = P.executed_files()
+    assert driver.resolve() in files and (P.SRC / "lab" / "stats.py").resolve() in files
+    prov = P.Recorder(code=()).finish()  # no modules named by hand
+    assert "src/kvstate/lab/stats.py" in prov["executed"]["files"] and str(driver.resolve()) in prov["executed"]["files"]
+    path = tmp_path / "r.json"
+    P.append_run(path, {"v": 1}, prov)
+    assert P.load_artifact(path, "cmd").status == "current"
+    driver.write_text("print('v2')\n")  # the driver script changes: the result no longer describes it
+    art = P.load_artifact(path, "cmd")
+    assert art.status == "stale" and "drive.py" in art.reason
+    assert P.Recorder(code=()).finish()["executed"]["digest"] != prov["executed"]["digest"]

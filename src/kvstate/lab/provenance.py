@@ -6,12 +6,21 @@ runs are *appended*, never replaced by a later, better one. A result file is
 ``{"format": "kvstate-results/1", "runs": [run, ...]}``; each run is ``{"provenance": {...}, ...}``
 with the command's own result fields beside it.
 
-Staleness is decided from content, not from dates: a run records a digest of the source files it
-depends on (``code``: the library axis, its lab slice and the shared lab pieces) and of every model
-directory it read (``models``: weights, configs, routers, codecs). The report recomputes both; a
-differing digest marks the result ``stale`` and names the command that regenerates it. A file that
-predates provenance (no ``format``) is read as one run without provenance, which is stale too.
-Ignored: authenticity (a digest detects change, not tampering).
+Staleness is decided from content, not from dates: a run records a digest of every source file it
+executed (``executed``: each kvstate module in ``sys.modules`` and each script under ``benchmarks/`` or
+``scripts/``, the driver included, taken from what was imported rather than from a list kept by hand),
+of the source the run names as its method's (``code``: the library axis and its lab slice; the seed
+ledger's notion of "the same method", :mod:`kvstate.lab.ledger`) and of every model directory it read
+(``models``: weights, configs, routers, codecs). The report recomputes them; a differing digest marks the
+result ``stale``, names the changed files and the command that regenerates it. A file that predates
+provenance (no ``format``) is read as one run without provenance, which is stale too.
+
+A run appended to a result file under ``models/`` passes the seed ledger first (:func:`append_run`):
+test seeds only, and a test seed already scored for a method only by that same, unchanged method.
+
+Ignored: authenticity (a digest detects change, not tampering); a module imported after the run started is
+hashed when the run finishes (an edit between its import and the end of the run goes unseen); source run
+in another process (a subprocess's own imports).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from kvstate.io_safety import write_text_atomic
 FORMAT = "kvstate-results/1"
 SRC = Path(__file__).resolve().parents[1]  # src/kvstate
 REPO = SRC.parents[1]
+SCRIPT_DIRS = (REPO / "benchmarks", REPO / "scripts")  # driver scripts whose edits make a result stale
 MODEL_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json"}  # the JSON files that define a model (results and cards are not part of it)
 
@@ -94,6 +104,42 @@ def code_digest(modules: Sequence[str]) -> str:
     return _digest(_files(SRC / m for m in modules), SRC)
 
 
+def executed_files(script_dirs: Sequence[Path] | None = None) -> list[Path]:
+    """Source files this process has executed: every kvstate module it imported and every script under
+    ``script_dirs`` (default ``benchmarks/``, ``scripts/``) it imported or runs as ``__main__``."""
+    roots = [SRC.resolve(), *(Path(d).resolve() for d in (SCRIPT_DIRS if script_dirs is None else script_dirs))]
+    main = sys.modules.get("__main__")
+    names = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    names += [getattr(main, "__file__", None), sys.argv[0] if sys.argv else None]
+    found: set[Path] = set()
+    for name in names:
+        if not isinstance(name, str) or not name.endswith(".py"):
+            continue
+        p = Path(name).resolve()
+        if p.is_file() and any(p.is_relative_to(r) for r in roots):
+            found.add(p)
+    return sorted(found)
+
+
+def _file_hash(path: Path) -> str:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "missing"
+
+
+def _resolve_key(key: str) -> Path:
+    return Path(key) if Path(key).is_absolute() else REPO / key
+
+
+def executed_digest(files: dict[str, str]) -> str:
+    """Digest of ``{file: content hash}`` (repository-relative names) for what a run executed."""
+    h = hashlib.sha256()
+    for key in sorted(files):
+        h.update(f"{key}\0{files[key]}\0".encode())
+    return h.hexdigest()[:16]
+
+
 def model_digest(directory: str | Path) -> str:
     """Digest of what a model / router / codec directory holds that results depend on.
 
@@ -131,10 +177,17 @@ class Recorder:
     _t0: float = field(default_factory=time.perf_counter, repr=False)
     _started: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"), repr=False)
     _digests: tuple[str, dict[str, str]] = field(init=False, repr=False)
+    _executed: dict[Path, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # the code and models as the run starts: a file edited while it runs must not pass for what it ran
         self._digests = (code_digest(self.code), {_repo_relative(m): model_digest(m) for m in self.models})
+        self._executed = {p: _file_hash(p) for p in executed_files()}
+
+    def _executed_now(self) -> dict[str, Any]:
+        # modules imported since the start (lazy imports) are hashed now; the rest as they were at the start
+        files = {_repo_relative(p): self._executed.get(p) or _file_hash(p) for p in executed_files()}
+        return {"digest": executed_digest(files), "files": files}
 
     def finish(self) -> dict[str, Any]:
         argv = [Path(sys.argv[0]).name, *sys.argv[1:]] if sys.argv and sys.argv[0] else []
@@ -149,6 +202,7 @@ class Recorder:
             "lengths": list(self.lengths),
             "settings": self.settings,
             "code": {"modules": list(self.code), "digest": self._digests[0]},
+            "executed": self._executed_now(),
             "models": dict(self._digests[1]),
             **environment(),
         }
@@ -176,9 +230,17 @@ def read_runs(path: str | Path) -> list[dict[str, Any]]:
 
 
 def append_run(path: str | Path, run: dict[str, Any], provenance: dict[str, Any]) -> None:
-    """Append ``run`` (with its ``provenance``) to the result file at ``path``, atomically; older runs kept."""
+    """Append ``run`` (with its ``provenance``) to the result file at ``path``, atomically; older runs kept.
+
+    A file under ``models/`` takes the run only if the seed ledger does (:func:`kvstate.lab.ledger.record_run`:
+    test seeds only, a used test seed only for the same unchanged method); the ledger entry is written first,
+    so a run that reached a result file is always in the ledger.
+    """
+    from kvstate.lab.ledger import record_run
+
     p = Path(path)
     runs = read_runs(p) if p.is_file() else []
+    record_run(p, provenance)
     runs = [*map(_finite, runs), _finite({"provenance": provenance, **run})]  # older files may hold NaN
     write_text_atomic(p, json.dumps({"format": FORMAT, "runs": runs}, indent=1, allow_nan=False) + "\n")
 
@@ -235,6 +297,14 @@ def load_artifact(path: str | Path, command: str, *, select: Any = None) -> Arti
     prov = run.get("provenance")
     if not isinstance(prov, dict):
         return Artifact(rel, command, "stale", "no provenance recorded", run, len(runs))
+    executed = prov.get("executed") or {}
+    files = executed.get("files") if isinstance(executed, dict) else None
+    if isinstance(files, dict):
+        changed = [k for k, h in sorted(files.items()) if _file_hash(_resolve_key(k)) != h]
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            return Artifact(rel, command, "stale", f"{', '.join(changed[:3])}{more} changed since commit "
+                            f"{prov.get('commit')}", run, len(runs))
     code = prov.get("code") or {}
     if code.get("digest") != code_digest(code.get("modules") or []):
         return Artifact(rel, command, "stale", f"source of {', '.join(code.get('modules') or [])} changed since "
@@ -246,5 +316,5 @@ def load_artifact(path: str | Path, command: str, *, select: Any = None) -> Arti
     return Artifact(rel, command, "current", "", run, len(runs))
 
 
-__all__ = ["FORMAT", "Artifact", "Recorder", "append_run", "code_digest", "environment", "git_commit",
-           "load_artifact", "model_digest", "read_runs"]
+__all__ = ["FORMAT", "Artifact", "Recorder", "append_run", "code_digest", "environment", "executed_digest",
+           "executed_files", "git_commit", "load_artifact", "model_digest", "read_runs"]

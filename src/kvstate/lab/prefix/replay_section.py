@@ -25,9 +25,9 @@ TECH = "position (sparse prefix caching, online)"
 LIVE_REQUESTS, LIVE_SCALE = 10, 0.04
 REPLAY_FILE, TREE_FILE = "prefix_replay.json", "prefix_tree_replay.json"
 REPLAY_CMD = ("OMP_NUM_THREADS=1 python benchmarks/prefix_replay.py --requests 100 --repeats 5 --planners optimal "
-              "--declare --out models/ref-hybrid/prefix_replay.json")
+              "--declare --seed 1000 --out models/ref-hybrid/prefix_replay.json")
 TREE_CMD = ("OMP_NUM_THREADS=1 python benchmarks/prefix_replay.py --placement path tree --workloads quality "
-            "system_prompts --requests 100 --no-baseline --grid 1073741824:8,33554432:8,1073741824:2,16777216:2 "
+            "system_prompts --requests 100 --seed 1000 --no-baseline --grid 1073741824:8,33554432:8,1073741824:2,16777216:2 "
             "--out models/ref-hybrid/prefix_tree_replay.json")
 
 

@@ -1,0 +1,98 @@
+"""The test-seed ledger: a result under models/ takes test seeds only, and a used seed only the same method."""
+
+import json
+
+import pytest
+
+from kvstate.lab import ledger as L
+from kvstate.lab import provenance as P
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    root = tmp_path / "models"
+    (root / "m").mkdir(parents=True)
+    monkeypatch.setattr(L, "results_root", lambda: root)
+    return root
+
+
+def prov(seeds, digest="d1", **extra):
+    return {"commit": "c1", "date_utc": "2026-01-01 00:00:00", "seeds": seeds, "code": {"modules": ["axis"],
+            "digest": digest}, "models": {"models/m": "w1"}, "settings": {"k": 1, "threads": 1}, **extra}
+
+
+def test_a_dev_seed_or_no_seed_is_refused_and_nothing_is_written(models):
+    out = models / "m" / "eval.json"
+    with pytest.raises(L.SeedRefused, match=r"m/eval.json: --seed 0 is a dev seed.*e\.g\. --seed 1000"):
+        P.append_run(out, {"v": 1}, prov([0]))
+    with pytest.raises(L.SeedRefused, match=r"names no seed.*--seed 1000"):
+        P.append_run(out, {"v": 1}, prov([]))
+    with pytest.raises(L.SeedRefused, match="dev seed"):
+        P.append_run(out, {"v": 1}, prov([1000, 2]))
+    assert not out.exists() and not (models / L.LEDGER_NAME).exists()
+
+
+def test_a_used_test_seed_takes_only_the_same_unchanged_method(models):
+    out = models / "m" / "eval.json"
+    P.append_run(out, {"v": 1}, prov([1000]))
+    ledger = L.read_ledger(models / L.LEDGER_NAME)
+    assert [(e.seed, e.file.endswith("models/m/eval.json"), e.commit) for e in ledger["m/eval"]] == [(1000, True, "c1")]
+    P.append_run(out, {"v": 2}, prov([1000]) | {"settings": {"k": 1, "threads": 4}})  # re-scored, unchanged
+    assert len(L.read_ledger(models / L.LEDGER_NAME)["m/eval"]) == 2
+    before = out.read_text()
+    with pytest.raises(L.SeedRefused) as e:  # the method's code changed after seed 1000 was scored
+        P.append_run(out, {"v": 3}, prov([1000], digest="d2"))
+    msg = str(e.value)
+    assert "\n" not in msg and "test seed 1000 is already in" in msg and "seeds_used.json for m/eval" in msg
+    assert "commit c1" in msg and "--seed 1001" in msg
+    with pytest.raises(L.SeedRefused, match="1000"):  # a changed hyperparameter is a different method too
+        P.append_run(out, {"v": 3}, prov([1000]) | {"settings": {"k": 2}})
+    with pytest.raises(L.SeedRefused, match="1000"):  # so is a retrained model
+        P.append_run(out, {"v": 3}, prov([1000]) | {"models": {"models/m": "w2"}})
+    assert out.read_text() == before
+    P.append_run(out, {"v": 3}, prov([1001], digest="d2"))  # the fix: a fresh test seed
+    assert [e.seed for e in L.read_ledger(models / L.LEDGER_NAME)["m/eval"]] == [1000, 1000, 1001]
+
+
+def test_listed_methods_are_ledgered_one_by_one(models):
+    out = models / "m" / "eval.json"
+    P.append_run(out, {"v": 1}, prov([1000]) | {"settings": {"methods": ["full", "sekv"]}})
+    P.append_run(out, {"v": 2}, prov([1000]) | {"settings": {"methods": ["full", "window"]}})  # full unchanged
+    assert {m: [e.seed for e in es] for m, es in L.read_ledger(models / L.LEDGER_NAME).items()} == {
+        "axis:full": [1000, 1000], "axis:sekv": [1000], "axis:window": [1000]}
+    with pytest.raises(L.SeedRefused, match="for axis:sekv"):
+        P.append_run(out, {"v": 3}, prov([1000], digest="d2") | {"settings": {"methods": ["sekv"]}})
+
+
+def test_a_result_outside_models_is_not_checked(models, tmp_path):
+    P.append_run(tmp_path / "scratch.json", {"v": 1}, prov([0]))
+    assert not (models / L.LEDGER_NAME).exists()
+
+
+def test_a_malformed_ledger_is_refused(models):
+    (models / L.LEDGER_NAME).write_text(json.dumps({"format": "other"}))
+    with pytest.raises(L.InputFileError, match="not a seed ledger"):
+        P.append_run(models / "m" / "eval.json", {"v": 1}, prov([1000]))
+
+
+def test_the_ledger_is_rebuilt_from_result_files(models):
+    out = models / "m" / "eval.json"
+    P.append_run(out, {"v": 1}, prov([1000]))
+    P.append_run(out, {"v": 2}, prov([1001], digest="d2"))
+    (models / L.LEDGER_NAME).unlink()
+    legacy = models / "m" / "old.json"
+    P.append_run(models.parent / "x.json", {"v": 0}, prov([0]))
+    legacy.write_bytes((models.parent / "x.json").read_bytes())  # a dev-seed run committed before the ledger
+    ledger, skipped = L.ledger_from_results(models, L.result_files(models))
+    assert [(e.seed, e.digest) for e in ledger["m/eval"]] == [(1000, L.method_digest(prov([1000]))),
+                                                                (1001, L.method_digest(prov([1001], digest="d2")))]
+    assert len(skipped) == 1 and "old.json run 1: seeds [0]" in skipped[0]
+
+
+def test_the_committed_ledger_holds_every_committed_test_seed_run():
+    root = L.results_root()
+    ledger = L.read_ledger(root / L.LEDGER_NAME)
+    derived, _ = L.ledger_from_results(root, L.result_files(root))
+    have = {(m, e.seed, e.file, e.digest) for m, es in ledger.items() for e in es}
+    missing = {(m, e.seed, e.file, e.digest) for m, es in derived.items() for e in es} - have
+    assert not missing, f"runs not in {L.LEDGER_NAME}: {sorted(missing)[:3]} (scripts/seed_ledger.py --overwrite)"
