@@ -10,8 +10,10 @@ the tensors (:class:`kvstate.semantic.accounting.ByteCounts`). In-process method
 
 - ``full``: ``DynamicCache``;
 - ``sekv``: :class:`SemanticCache` with the router (trained one if given), the budgeted sticky working
-  set; ``sekv_fresh``: the same deciding afresh at every call (no working set); ``sekv_raw``: the slow
-  tier kept raw (rank = full) — the ablation that measures what low rank buys;
+  set, spans ranked by their key bounds; ``sekv_fresh``: the same deciding afresh at every call (no working
+  set); ``sekv_raw``: the slow tier kept raw (rank = full) — the ablation that measures what low rank buys;
+  ``sekv_learned``: the paper's learned routing instead of the bounds (the routing ablation). Their
+  memory cap, slow tier and bits come from :class:`SekvOptions`;
 - ``sentencekv``: a SentenceKV-like sentence-level retrieval, labelled as such — sentences (cut after
   ``.``) are spans whose mean keys stay on the device; the raw sentence K/V is offloaded and the
   sentences whose mean key scores highest against the query are read back within the budget
@@ -54,7 +56,7 @@ from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.router import SemanticRouter
 from kvstate.semantic.segment import Segmentation, SegmentConfig, forced_mask, spans_from_anchors
 
-SEKV_METHODS = ("sekv", "sekv_fresh", "sekv_raw")
+SEKV_METHODS = ("sekv", "sekv_fresh", "sekv_raw", "sekv_learned")
 IN_PROCESS = ("full", *SEKV_METHODS, "sentencekv", "quest", "streaming", "window")
 ROW_FIELDS = ("method", "budget", "task", "length", "n", "score", "score_ci", "resident_bytes", "total_bytes",
               "attended_bytes_peak", "full_bytes", "expanded_fraction", "decode_ms_per_token")
@@ -122,13 +124,24 @@ def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig)
     return Segmentation(len(ids), np.flatnonzero(mask).astype(np.int64), np.array(kept, dtype=np.int64).reshape(-1, 2))
 
 
+@dataclass(frozen=True)
+class SekvOptions:
+    """SEKV's settings beside the read budget (the same for every SEKV method of a run)."""
+
+    memory: float | None = None  # bytes held in every tier / full KV; None: the slow tier under slow_budget
+    slow: str = "lowrank"  # "lowrank" or "quant" (sekv_raw: always raw)
+    bits: int = 4  # slow="quant": 2, 4, 8 or 16
+
+
 def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
-                  slow_budget: float = SLOW_BUDGET) -> SemanticConfig:
+                  slow_budget: float = SLOW_BUDGET, options: SekvOptions | None = None) -> SemanticConfig:
     """The cache settings of an in-process method at ``budget`` (``full`` has none)."""
     share = {"expand_share": expand_share}
     if method in SEKV_METHODS:
+        o = options if options is not None else SekvOptions()
         return SemanticConfig(budget=budget, segment=segment, slow_budget=slow_budget, sticky=method != "sekv_fresh",
-                              slow="raw" if method == "sekv_raw" else "lowrank", **share)
+                              slow="raw" if method == "sekv_raw" else o.slow, bits=o.bits,  # type: ignore[arg-type]
+                              memory=o.memory, routing="learned" if method == "sekv_learned" else "bounds", **share)
     if method == "sentencekv":
         return SemanticConfig(budget=budget, segment=segment, zoom="similarity", slow="raw", sticky=False, **share)
     if method == "window":
@@ -157,7 +170,8 @@ def prefill(model: Any, item: Item) -> Prefilled:
 def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
                      router: SemanticRouter | None, segment: SegmentConfig,
                      config: SemanticConfig | None = None, expand_share: float = 0.5,
-                     slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None) -> Any:
+                     slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None,
+                     options: SekvOptions | None = None) -> Any:
     """A cache of ``method`` holding ``item``'s context, compressed (``full``: not compressed), from
     ``prefilled`` (:func:`prefill`, left unchanged) or from a prefill of its own."""
     pre = prefilled if prefilled is not None else prefill(model, item)
@@ -167,7 +181,7 @@ def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget
     from kvstate.lab.semantic.window import WindowCache
 
     cfg = config if config is not None and method in SEKV_METHODS else \
-        method_config(method, budget, segment, expand_share, slow_budget)
+        method_config(method, budget, segment, expand_share, slow_budget, options)
     kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
     cache = kind(model, router if method in SEKV_METHODS else None, cfg)
     cache.adopt(pre.cache)
@@ -228,7 +242,7 @@ def _ask(method: str, budget: float, model: Any, tokenizer: Any, it: Item, cache
 
 def _item(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, it: Item, router: SemanticRouter | None,
           segment: SegmentConfig, config: SemanticConfig | None, expand_share: float, slow_budget: float,
-          failed: dict[int, KVStateError]) -> dict[str, dict[int, Any]]:
+          failed: dict[int, KVStateError], options: SekvOptions | None = None) -> dict[str, dict[int, Any]]:
     """One item under every run not yet ``failed``: ``{"outcomes": {run: [...]}, "logs": {run: [...]},
     "failed": {run: error}}`` (a run whose compression failed on this item stops here)."""
     pre = prefill(model, it)
@@ -238,7 +252,7 @@ def _item(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, it: Ite
         if r in failed:
             continue
         cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
-                                                               slow_budget)) if method in SEKV_METHODS else None
+                                                               slow_budget, options)) if method in SEKV_METHODS else None
         # without a memory cap, sticky is the one setting compression does not read
         key = (dataclasses.replace(cfg, sticky=False) if cfg.memory is None else cfg) if cfg is not None else None
         try:
@@ -277,7 +291,8 @@ def _decode(rec: dict[str, Any]) -> dict[str, dict[int, Any]]:
 def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
          router: SemanticRouter | None, segment: SegmentConfig, progress: Callable[[], None] | None,
          config: SemanticConfig | None, slow_log: list[dict[str, Any]] | None, expand_share: float,
-         slow_budget: float, journal: Journal | None = None) -> tuple[list[Outcome], dict[int, KVStateError]]:
+         slow_budget: float, journal: Journal | None = None,
+         options: SekvOptions | None = None) -> tuple[list[Outcome], dict[int, KVStateError]]:
     """Outcomes of every (method, budget) run in run order, and the error that stopped each failed run."""
     for method, _ in runs:
         if method not in IN_PROCESS:
@@ -290,7 +305,8 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
         if done is not None:
             rec = _decode(done)
         else:
-            rec = _item(runs, model, tokenizer, it, router, segment, config, expand_share, slow_budget, failed)
+            rec = _item(runs, model, tokenizer, it, router, segment, config, expand_share, slow_budget, failed,
+                        options)
             if journal is not None:
                 journal.put(_unit(it), _encode(rec))
         for r, exc in rec["failed"].items():
@@ -311,7 +327,7 @@ def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, i
                 router: SemanticRouter | None, segment: SegmentConfig,
                 progress: Callable[[], None] | None = None, slow_log: list[dict[str, Any]] | None = None,
                 expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET, journal: Journal | None = None,
-                ) -> tuple[list[Outcome], list[dict[str, Any]]]:
+                options: SekvOptions | None = None) -> tuple[list[Outcome], list[dict[str, Any]]]:
     """Answer every question of ``items`` under every in-process (method, budget) of ``runs``.
 
     Each item's context is prefilled once and compressed per run; each question is asked of a fork of the
@@ -321,7 +337,7 @@ def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, i
     recorded and an item already there is read back instead of run again.
     """
     outcomes, failed = _run(runs, model, tokenizer, items, router, segment, progress, None, slow_log, expand_share,
-                            slow_budget, journal)
+                            slow_budget, journal, options)
     return outcomes, [{"method": runs[r][0], "budget": runs[r][1], "reason": str(exc)} for r, exc in failed.items()]
 
 

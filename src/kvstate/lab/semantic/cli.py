@@ -66,7 +66,7 @@ def default_router_dir(model: Path) -> Path:
 EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/quest.py",
              "lab/semantic/window.py", "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
              "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py")
-DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sentencekv,quest,streaming,kvpress"
+DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sekv_learned,sentencekv,quest,streaming,kvpress"
 
 
 @app.command("eval")
@@ -78,7 +78,8 @@ def eval_command(
                                            "compressed cache, and ppl: held-out perplexity, compress the context then "
                                            "continue).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
-    methods: Annotated[str, typer.Option(help="full, sekv, sekv_fresh, sekv_raw, sentencekv, quest, streaming, window, "
+    methods: Annotated[str, typer.Option(help="full, sekv, sekv_fresh, sekv_raw, sekv_learned, sentencekv, quest, "
+                                              "streaming, window, "
                                               "kvpress (its default presses) or press class names, comma-separated.")
                        ] = DEFAULT_METHODS,
     n: Annotated[int, typer.Option(min=1, help="Items per task and length.")] = 4,
@@ -90,6 +91,10 @@ def eval_command(
                                                      "spans (SEKV, SentenceKV).")] = 0.5,
     slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes (0.375: every tier "
                                                     "within 0.5 x full KV at budget 0.125).")] = 0.375,
+    memory: Annotated[float | None, typer.Option(help="SEKV: bytes held in every tier / full KV bytes (>= every "
+                                                     "--budget); unset: the slow tier under --slow-budget.")] = None,
+    slow: Annotated[str, typer.Option(help="SEKV slow tier: lowrank or quant (KIVI-style).")] = "lowrank",
+    bits: Annotated[int, typer.Option(help="SEKV --slow quant: bits per element, 2, 4, 8 or 16.")] = 4,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(
         "--out", "--save", help="Append this run, with its provenance, to a result file (e.g. DIR/eval.json).")] = None,
@@ -116,7 +121,14 @@ def eval_command(
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.semantic import baselines_kvpress as kp
-    from kvstate.lab.semantic.bench import IN_PROCESS, cells, run_methods, slow_summary, summarise
+    from kvstate.lab.semantic.bench import (
+        IN_PROCESS,
+        SekvOptions,
+        cells,
+        run_methods,
+        slow_summary,
+        summarise,
+    )
     from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
     from kvstate.lab.workloads.tasks import TASKS
     from kvstate.models.loading import load_config
@@ -140,11 +152,16 @@ def eval_command(
                            f"{', '.join(kp.DEFAULT_PRESSES)}); list each press once")
     if not 1 <= n <= MAX_EXAMPLES:
         raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (items per task and length)")
+    if slow not in ("lowrank", "quant"):
+        raise KVStateError(f"--slow {slow!r} must be lowrank or quant (sekv_raw runs the raw slow tier)")
     try:
         segment = SegmentConfig(recent=recent, max_span=max_span)
-        SemanticConfig(expand_share=expand_share, slow_budget=slow_budget, segment=segment)
+        SemanticConfig(expand_share=expand_share, slow_budget=slow_budget, segment=segment, bits=bits)
+        for b in budgets:
+            SemanticConfig(budget=b, memory=memory)
     except ValueError as exc:  # name the option, not the dataclass field
-        raise KVStateError(f"--recent / --max-span / --expand-share / --slow-budget: {exc}") from None
+        raise KVStateError(f"--recent / --max-span / --expand-share / --slow-budget / --bits / --budget / --memory: "
+                           f"{exc}") from None
     venv_ok = not kvpress_venv.exists() or (kvpress_venv / "bin" / "python").is_file() or (
         kvpress_venv.is_dir() and not any(kvpress_venv.iterdir()))
     if presses and not venv_ok:  # `python -m venv` would write into whatever directory is there
@@ -157,7 +174,8 @@ def eval_command(
     rec = Recorder(code=EVAL_CODE, models=[model, *([router] if router is not None else [])], n=n, seeds=[seed],
                    tasks=tasks, lengths=lengths,
                    settings={"budgets": budgets, "methods": chosen, "threads": threads, "recent": recent,
-                             "max_span": max_span, "expand_share": expand_share, "slow_budget": slow_budget})
+                             "max_span": max_span, "expand_share": expand_share, "slow_budget": slow_budget,
+                             "memory": memory, "slow": slow, "bits": bits})
     base, tok = load_reference(model)
     rdir = router if router is not None else default_router_dir(model)
     if (rdir / "router.safetensors").is_file():
@@ -177,13 +195,14 @@ def eval_command(
     journal = open_journal(save, {
         "model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
         "lengths": lengths, "n": n, "seed": seed, "recent": recent, "max_span": max_span,
-        "expand_share": expand_share, "slow_budget": slow_budget, "threads": threads},
+        "expand_share": expand_share, "slow_budget": slow_budget, "memory": memory, "slow": slow, "bits": bits,
+        "threads": threads},
         EVAL_CODE, [model, *([rdir] if (rdir / "router.safetensors").is_file() else [])], console.print)
     with progress_bar("semantic eval", len(runs) * len(items), unit="items") as bar:
         # one prefill per item shared by every run; a run below its method's minimum budget is not run
         got, failed = run_methods(runs, base, tok, items, sekv_router, segment, progress=bar.advance,
                                   slow_log=slow_log, expand_share=expand_share, slow_budget=slow_budget,
-                                  journal=journal)
+                                  journal=journal, options=SekvOptions(memory=memory, slow=slow, bits=bits))
     outcomes += got
     not_run += failed
     for e in failed:
