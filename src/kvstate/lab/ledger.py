@@ -156,8 +156,8 @@ def check_run(path: Path, provenance: Mapping[str, Any], ledger: Mapping[str, Se
     for seed in seeds:
         try:
             protocol.check_reported_seed(seed, fresh=fresh)
-        except KVStateError as e:
-            raise SeedRefused(f"{rel}: {e}") from None
+        except KVStateError as err:
+            raise SeedRefused(f"{rel}: {err}") from None
     digest = method_digest(provenance)
     for method in methods:
         for seed in seeds:
