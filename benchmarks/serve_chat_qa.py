@@ -8,6 +8,10 @@ holds the document, then ``--turns`` user turns each ask one needle's code (turn
 question, later turns another needle's key, in the task's words ``what is the secret code of NAME ? answer :``),
 and each turn appends the server's own previous reply as an ``assistant`` message (so a diverging reply
 would diverge the rest of that conversation too). Items alternate which server is asked first.
+``--template default`` serves the model as it is (no chat template of its own, so the server's default
+``ROLE : CONTENT <eos>`` lines); ``--template raw`` serves a copy of the model directory (files linked)
+(without manifest.json, whose checksums describe the original) whose tokenizer_config.json adds the chat template ``<bos>`` + each message's content, space-separated —
+the raw ``context question answer : code .`` form the reference model was trained on.
 
 Reported: replies identical between the servers (count / total, per turn), distinct replies, correct
 replies (the reply's first 6 words are the asked code; context only: the model was trained on the raw
@@ -15,7 +19,7 @@ prompt, not this chat form), the cached server's prefix-cache counters from ``/m
 and the load average. Target: 100% identical with >= 10 distinct replies.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/serve_chat_qa.py [--model models/ref-hybrid] [--items 12]
-[--lengths 512 1024] [--turns 3] [--max-tokens 12] [--seed 1000] [--out FILE]``. Progress and a table on
+[--lengths 512 1024] [--turns 3] [--max-tokens 12] [--template default|raw] [--seed 1000] [--out FILE]``. Progress and a table on
 stderr, one JSON line on stdout; ``--out`` appends the run, with provenance, to a ``kvstate-results/1`` file.
 Ignored: timings (``serve_chat.py`` measures them), sampling (greedy only).
 """
@@ -42,6 +46,7 @@ from kvstate.lab.workloads import tasks
 from serve_clients import Server, loadavg, scrape
 
 MODEL = Path("models/ref-hybrid")
+RAW_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
 NEEDLE = re.compile(r"the secret code of (\S+) is ((?:\d ){5}\d) \.")
 
 
@@ -68,6 +73,17 @@ def conversations(model: Path, lengths: list[int], items: int, turns: int, seed:
     return out
 
 
+def raw_template_copy(model: Path, out: Path) -> Path:
+    """``model``'s files linked into ``out``, with :data:`RAW_TEMPLATE` as the tokenizer's chat template."""
+    out.mkdir()
+    for f in model.iterdir():
+        if f.name not in ("tokenizer_config.json", "manifest.json"):  # the manifest's checksums name the original
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": RAW_TEMPLATE}, indent=1))
+    return out
+
+
 def chat(url: str, model_name: str, messages: list[dict[str, str]], max_tokens: int) -> str:
     r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
         "model": model_name, "messages": messages, "temperature": 0, "max_tokens": max_tokens})
@@ -83,6 +99,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--turns", type=int, default=3, choices=[1, 2, 3, 4])
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--template", choices=["default", "raw"], default="default")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -98,7 +115,8 @@ def main() -> None:
     servers: list[Server] = []
     rows: list[dict[str, Any]] = []
     try:
-        servers = [Server(args.model, True, "cache", work), Server(args.model, False, "no-cache", work)]
+        served = args.model if args.template == "default" else raw_template_copy(args.model, work / args.model.name)
+        servers = [Server(served, True, "cache", work), Server(served, False, "no-cache", work)]
         name = servers[0].model_name()
         for c in convs:
             order = servers if c["item"] % 2 == 0 else servers[::-1]
@@ -140,7 +158,7 @@ def main() -> None:
           f"prefix cache {cache_counters}; target (100% identical, >= 10 distinct): {status}; load {load}",
           file=sys.stderr)
     out = {"benchmark": "serve_chat_qa", "model": str(args.model), "task": "niah_multikey", "items": args.items,
-           "lengths": args.lengths, "turns": args.turns, "seed": args.seed, "replies": n, "identical": identical,
+           "lengths": args.lengths, "turns": args.turns, "template": args.template, "seed": args.seed, "replies": n, "identical": identical,
            "identical_per_turn": per_turn, "distinct_replies": distinct, "correct": correct,
            "target_identical_100pct_and_10_distinct": status, "cached_server_prefix_metrics": cache_counters,
            "load_average": load, "cpus": os.cpu_count(), "rows": rows}
