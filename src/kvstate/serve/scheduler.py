@@ -2,8 +2,8 @@
 
 Continuous batching as in Orca ("Orca: A Distributed Serving System for Transformer-Based Generative
 Models", OSDI 2022) and vLLM's scheduler, over a hybrid model with the sparse prefix cache under it:
-requests wait in a queue of at most ``max_queue`` (one more is refused at once, :class:`QueueFull`,
-answered 503). Between decode steps the worker asks the policy (:class:`~kvstate.serve.policy.BatchPolicy`:
+requests wait in a queue of at most ``max_queue`` beyond the batch's free rows (one more is refused at
+once, :class:`QueueFull`, answered 503). Between decode steps the worker asks the policy (:class:`~kvstate.serve.policy.BatchPolicy`:
 FIFO or longest-prefix-hit first, ``max_batch``) which waiting requests to admit, showing it each
 prompt and its prefix-cache hit. An admitted request is prefilled through the prefix cache (resume from
 its checkpoint + KV, compute the rest) in chunks of at most ``max_tokens_per_step`` tokens, with one
@@ -116,17 +116,25 @@ class Scheduler:
             job.finished.set()
         self._rows.clear()
 
+    def _room(self) -> int:
+        """Requests that may still wait: ``max_queue`` beyond the batch's free rows. A request the batch can
+        take at its next step is not refused: a client that just got its reply and sends the next one at once
+        finds its own row free, not a full queue (call with the lock held)."""
+        free = max(0, self.policy.max_batch - self.running)
+        return self.max_queue + free - len(self._waiting)
+
     def check_room(self) -> None:
-        """:class:`QueueFull` when ``max_queue`` requests already wait (a request can be refused before it is checked)."""
+        """:class:`QueueFull` when ``max_queue`` requests already wait beyond the batch's free rows (a request can
+        be refused before it is checked)."""
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
+            if self._room() <= 0:
                 raise self._full()
 
     def submit(self, request: GenerationRequest) -> Job:
         """Queue ``request``; raises :class:`QueueFull` when ``max_queue`` requests already wait."""
         job = Job(request, asyncio.get_running_loop(), next(self._order))
         with self._cond:
-            if len(self._waiting) >= self.max_queue:
+            if self._room() <= 0:
                 raise self._full()
             self._waiting.append(job)
             self._cond.notify()
@@ -162,8 +170,9 @@ class Scheduler:
         by_order = {j.order: j for j in waiting}
         picked = [by_order[w.order] for w in self.policy.admit(seen, len(self._rows))]
         chosen = {j.order for j in picked}
-        with self._cond:
+        with self._cond:  # waiting → running in one step: the queue's room never counts a request twice
             self._waiting = [j for j in self._waiting if j.order not in chosen]
+            self.running += len(picked)
         return picked
 
     def _cached(self, job: Job) -> int:
@@ -177,11 +186,11 @@ class Scheduler:
         """Prefill ``job`` (decoding the running batch between its chunks) and add it to the batch."""
         assert self.gen is not None and self._batch is not None
         if job.cancelled:
+            self.running -= 1
             self._end(job, "cancelled", None)
             return
-        self.running += 1
-        d = self.gen.begin(job.request, lambda delta: job.post("delta", delta), lambda: job.cancelled)
         try:
+            d = self.gen.begin(job.request, lambda delta: job.post("delta", delta), lambda: job.cancelled)
             p = self.gen.prefill(d, chunk=self.policy.max_tokens_per_step, between=self._step)
             if not d.take(p.logits):
                 self._done(job, d, p.cache)

@@ -17,7 +17,7 @@ from kvstate.prefix.engine import SparsePrefixCache
 from kvstate.serve.generation import Generation, GenerationRequest, Generator
 from kvstate.serve.policy import BatchPolicy
 from kvstate.serve.sampling import SamplingParams
-from kvstate.serve.scheduler import Scheduler
+from kvstate.serve.scheduler import QueueFull, Scheduler
 from kvstate.serve.server import load_tokenizer
 from tests.conftest import FAMILIES
 from tests.lib.serve.conftest import word_tokenizer
@@ -191,3 +191,19 @@ def test_the_batch_bound_holds_and_longest_prefix_first_admits_the_hit() -> None
     out = asyncio.run(main())
     assert all(o is not None for o in out)
     assert order[:2] == [45, 49]  # the two requests resuming from the stored document go first
+
+
+def test_a_request_the_batch_can_take_is_never_refused_as_queue_full() -> None:
+    model, tok = _model("qwen3_5")
+    scheduler = Scheduler(1, Generator(model, tok, None), BatchPolicy(max_batch=3))
+    requests = _requests(128)
+
+    async def main() -> None:  # the worker is not started: nothing leaves the queue
+        for r in requests[:3]:  # the 3 free rows take these, and --max-queue 1 one more
+            scheduler.submit(r)
+        scheduler.submit(requests[3])
+        with pytest.raises(QueueFull, match="--max-queue 1"):
+            scheduler.submit(requests[0])
+
+    asyncio.run(main())
+    assert scheduler.depth == 4

@@ -21,6 +21,7 @@ import torch
 from openai import OpenAI
 
 from kvstate.serve.chat import DEFAULT_CHAT_TEMPLATE
+from kvstate.serve.policy import BatchPolicy
 from tests.lib.serve.conftest import POSITIONS, Running, serve
 
 # the default template behind a check real templates make: user messages may not follow each other
@@ -44,17 +45,18 @@ def off(tiny):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def slow(tiny):  # type: ignore[no-untyped-def]
-    """One waiting slot; each decode step takes 50 ms and no reply ends early (no end-of-sequence token)."""
-    servers = serve(tiny, max_queue=1)
+    """A batch of one and one waiting slot; each decode step takes 50 ms and no reply ends early (no
+    end-of-sequence token)."""
+    servers = serve(tiny, max_queue=1, policy=BatchPolicy(max_batch=1))
     running = next(servers)
-    gen = running.app.state.generator
-    step = gen._forward
+    gen, batch = running.app.state.generator, running.app.state.scheduler._batch
+    step = batch.step
 
-    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+    def slow_step(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.05)
         return step(*args, **kwargs)
 
-    gen._forward = slow_forward
+    batch.step = slow_step
     gen.eos_ids = frozenset()
     yield running
     servers.close()  # stops the server
