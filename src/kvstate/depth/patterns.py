@@ -239,38 +239,111 @@ def check_p(p: object) -> float:
     return float(p)
 
 
-def draw_route(layers: Sequence[LayerSpec], p: float, rng: random.Random) -> SharingPattern:
+def check_p_layer(p_layer: object, n_layers: int, option: str = "--p-layer") -> tuple[float, ...]:
+    """Per-layer routing probabilities as a tuple; :class:`PatternError` naming the input unless one number in
+    [0, 1] per decoder layer."""
+    if isinstance(p_layer, (str, bytes)) or not isinstance(p_layer, Sequence):
+        raise PatternError(f"{option} {p_layer!r} must be a list of probabilities, one per layer (e.g. 1,1,0.5,0.5)")
+    if len(p_layer) != n_layers:
+        raise PatternError(f"{option} has {len(p_layer)} entries but the model has {n_layers} layers; give one "
+                           f"probability per layer (e.g. {','.join(['1'] + ['0.5'] * (n_layers - 1))})")
+    for i, v in enumerate(p_layer):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+            raise PatternError(f"{option} entry {i} (layer {i}) is {v!r}; each must be a number in [0, 1] (1: the "
+                               "layer always keeps its own K/V)")
+    return tuple(float(v) for v in p_layer)
+
+
+def _per_layer(p: float | Sequence[float], n: int) -> tuple[float, ...]:
+    return check_p_layer(p, n, "p") if isinstance(p, Sequence) and not isinstance(p, str) else (check_p(p),) * n
+
+
+def annealed_p(target: Sequence[float], step: int, anneal_steps: int) -> tuple[float, ...]:
+    """LayerSkip-style schedule of the per-layer p: 1 at step 0, linear to ``target`` at ``anneal_steps``, then
+    constant (``anneal_steps = 0``: the target throughout). Early steps train the model it started as; sharing
+    then grows, so the routes the model cannot yet use do not wipe out what it can do."""
+    if anneal_steps <= 0 or step >= anneal_steps:
+        return tuple(float(t) for t in target)
+    frac = max(step, 0) / anneal_steps
+    return tuple(1.0 - (1.0 - float(t)) * frac for t in target)
+
+
+def draw_route(layers: Sequence[LayerSpec], p: float | Sequence[float], rng: random.Random) -> SharingPattern:
     """One Random Cross-Layer Attention draw as the paper describes it: each attention layer, in order, keeps
     its own K/V with probability ``p``, else reads the *own* K/V of a uniformly chosen earlier layer of its
     group (same attention type and KV shape; every layer computes its own K/V in training). The first
     layer of a group has no earlier layer and reads its own; recurrent layers read themselves. The result
     is a route (``validate(layers, require_owners=False)``), e.g. ``0_0_1_2``; at p = 0.5 on 4 layers
-    ``0_0_0_0`` has probability 1/2 * 1/4 * 1/6 = 1/48."""
-    p = check_p(p)
+    ``0_0_0_0`` has probability 1/2 * 1/4 * 1/6 = 1/48. ``p`` may be one probability per layer (a layer at
+    1 is never routed); the generator is consumed the same way, so equal per-layer values give the scalar's
+    draws."""
+    ps = _per_layer(p, len(layers))
     sources = list(range(len(layers)))
     for group in _attention_groups(layers):
         for j, i in enumerate(group):
-            if j and rng.random() >= p:
+            if j and rng.random() >= ps[i]:
                 sources[i] = group[rng.randrange(j)]
     return SharingPattern(tuple(sources))
 
 
-def draw_pattern(layers: Sequence[LayerSpec], p: float, rng: random.Random) -> SharingPattern:
+def draw_pattern(layers: Sequence[LayerSpec], p: float | Sequence[float], rng: random.Random) -> SharingPattern:
     """The ``owner`` variant of an R-CLA draw (kept for ablation; :func:`draw_route` is the paper's): each
     attention layer, in order, keeps its own K/V with probability ``p``, else reads a uniformly chosen
     earlier *owner* of its group, so every draw is a deployable pattern. It is not the paper's
     distribution: earlier sharing shrinks the choice, so at p = 0.5 on 4 layers ``0_0_0_0`` has
-    probability 1/8 instead of 1/48."""
-    p = check_p(p)
+    probability 1/8 instead of 1/48. ``p`` may be one probability per layer, as in :func:`draw_route`."""
+    ps = _per_layer(p, len(layers))
     sources = list(range(len(layers)))
     for group in _attention_groups(layers):
         owners: list[int] = []
         for i in group:
-            if owners and rng.random() >= p:
+            if owners and rng.random() >= ps[i]:
                 sources[i] = owners[rng.randrange(len(owners))]
             else:
                 owners.append(i)
     return SharingPattern(tuple(sources))
+
+
+def check_in_family(pattern: SharingPattern, layers: Sequence[LayerSpec], p_layer: Sequence[float]) -> SharingPattern:
+    """Raise :class:`PatternError` unless ``pattern`` is deployable and in the family a training run with per-layer
+    probabilities ``p_layer`` declares: a layer trained at p = 1 owns its K/V (it never learned to read another's),
+    a layer trained at p = 0 (not the first of its group) never does; the others may do either."""
+    pattern.validate(layers)
+    ps = check_p_layer(p_layer, len(layers), "p_layer")
+    firsts = {g[0] for g in _attention_groups(layers)}
+    for i, spec in enumerate(layers):
+        if not spec.is_attention or i in firsts:
+            continue
+        if ps[i] == 1.0 and not pattern.is_owner(i):
+            raise PatternError(f"pattern {format_pattern(pattern)!r}: layer {i} was trained at p = 1 (always its own "
+                               f"K/V) but reads layer {pattern.sources[i]}; deploy a pattern where layer {i} is an owner")
+        if ps[i] == 0.0 and pattern.is_owner(i):
+            raise PatternError(f"pattern {format_pattern(pattern)!r}: layer {i} was trained at p = 0 (always routed) but "
+                               "keeps its own K/V; deploy a pattern where it reads an earlier owner")
+    return pattern
+
+
+def declared_family(layers: Sequence[LayerSpec], p_layer: Sequence[float], limit: int = 4096) -> list[SharingPattern] | None:
+    """Every deployable pattern of the family ``p_layer`` declares (:func:`check_in_family`), in lexicographic
+    order of sources; ``None`` when there are more than ``limit`` (enumeration grows like a factorial)."""
+    ps = check_p_layer(p_layer, len(layers), "p_layer")
+    groups = _attention_groups(layers)
+    firsts = {g[0] for g in groups}
+    group_of = {i: g for g in groups for i in g}
+    found: list[SharingPattern] = []
+
+    def walk(i: int, sources: list[int]) -> bool:
+        if i == len(layers):
+            found.append(SharingPattern(tuple(sources)))
+            return len(found) <= limit
+        if not layers[i].is_attention or i in firsts:
+            return walk(i + 1, [*sources, i])
+        options = [] if ps[i] == 1.0 else [j for j in group_of[i] if j < i and sources[j] == j]
+        if ps[i] != 0.0:
+            options.append(i)
+        return all(walk(i + 1, [*sources, s]) for s in sorted(options))
+
+    return found if walk(0, []) else None
 
 
 PRESETS = ("none", "cla", "top_shared", "keep")
@@ -313,6 +386,6 @@ def for_keep(layers: Sequence[LayerSpec], kind: str, fraction: float) -> Sharing
     return pattern
 
 
-__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "check_p", "cla",
-           "draw_pattern", "draw_route", "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none",
+__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "annealed_p",
+           "check_in_family", "check_p", "check_p_layer", "cla", "declared_family", "draw_pattern", "draw_route", "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none",
            "parse_pattern", "preset", "top_shared"]
