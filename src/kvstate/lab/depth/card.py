@@ -26,8 +26,20 @@ def _routing(depth: dict[str, Any]) -> str:
     p = depth.get("p")
     if p == 1.0:
         return "no routing (p = 1: every layer attends to its own K/V; the control for more training)"
-    return (f"stochastic KV routing, p = {p}: at each forward pass every layer keeps its own K/V with probability "
-            f"{p}, else reads a uniformly chosen earlier owner")
+    if depth.get("p_layer"):
+        p = "(" + ", ".join(f"{v:g}" for v in depth["p_layer"]) + ") per layer"
+    text = (f"stochastic KV routing, p = {p}: at each forward pass every layer keeps its own K/V with probability "
+            f"p, else reads a uniformly chosen earlier layer's (rule `{depth.get('rule')}`)")
+    if depth.get("p_schedule") == "anneal":
+        text += f"; p annealed from 1 over the first {depth.get('anneal_steps')} steps"
+    if depth.get("distill"):
+        text += f"; self-distillation from the own-KV pass, weight {depth['distill']:g}"
+    if depth.get("retrieval_share") is not None:
+        text += f"; needle tasks {depth['retrieval_share']:g} of the training rows"
+    family = depth.get("family") or {}
+    if family.get("patterns"):
+        text += f"; declared deployment family: {family['patterns']} patterns"
+    return text
 
 
 def card_text(model_dir: Path) -> str:

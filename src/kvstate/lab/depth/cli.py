@@ -32,6 +32,15 @@ def train_command(
     seed: Annotated[int, typer.Option("--seed", min=0, help="Routing seed (DDP rank r uses seed + r).")] = 0,
     rule: Annotated[str, typer.Option(
         "--rule", help="paper: a routed layer reads any earlier layer's own K/V; owner: an earlier owner (ablation).")] = "paper",
+    p_layer: Annotated[str | None, typer.Option(
+        "--p-layer", help="Per-layer p, one per layer, e.g. 1,1,0.5,0.5 (replaces --p; a layer at 1 is never routed).")] = None,
+    distill: Annotated[float, typer.Option(
+        "--distill", help="Weight of the KL to the model's own-KV pass in the same step (0: none).")] = 0.0,
+    p_schedule: Annotated[str, typer.Option(
+        "--p-schedule", help="constant, or anneal: p from 1 to the target over --anneal-frac of the steps.")] = "constant",
+    anneal_frac: Annotated[float, typer.Option("--anneal-frac", help="Share of the steps the anneal takes.")] = 0.25,
+    retrieval_share: Annotated[float | None, typer.Option(
+        "--retrieval-share", help="Share of needle tasks in the training rows (default: the start model's mix).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the depth run saved in --out.")] = False,
     overrides: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a TrainConfig field, e.g. --set lr=0.0005 (JSON values).")] = None,
@@ -42,10 +51,18 @@ def train_command(
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.console import Console
 
+    from kvstate.errors import KVStateError
     from kvstate.lab.depth.train import DepthTrainConfig, check_outputs, depth_train
     from kvstate.lab.training.cli import parse_overrides
 
-    cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule)
+    try:
+        layer_ps = tuple(float(v) for v in p_layer.split(",")) if p_layer is not None else None
+    except ValueError:
+        raise KVStateError(f"--p-layer {p_layer!r} must be comma-separated numbers in [0, 1], one per layer, "
+                           "e.g. 1,1,0.5,0.5") from None
+    cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule,
+                           p_layer=layer_ps, distill=distill, p_schedule=p_schedule, anneal_frac=anneal_frac,
+                           retrieval_share=retrieval_share)
     extra = parse_overrides(overrides or [])
     check_outputs(model, out, cfg, resume=resume, overwrite=overwrite)  # before DDP starts: every refusal first
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -66,7 +83,19 @@ def train_command(
         last = state["curve"][-1] if state["curve"] else {}
         Console().print(f"saved {out}: step {state['step']}, {state['tokens']:,} tokens, "
                         f"{state['seconds'] / 60:.1f} min, loss {last.get('loss')}, "
-                        f"routing {state['depth']['pattern'] or 'p=' + str(state['depth']['p'])}")
+                        f"routing {state['depth']['pattern'] or routing_text(state['depth'])}")
+
+
+def routing_text(depth: dict) -> str:
+    """``p=0.5`` or ``p_layer=1,1,0.5,0.5``, with the options a run used."""
+    parts = [f"p_layer={','.join(f'{v:g}' for v in depth['p_layer'])}" if depth.get("p_layer") else f"p={depth['p']}"]
+    if depth.get("distill"):
+        parts.append(f"distill={depth['distill']:g}")
+    if depth.get("p_schedule") == "anneal":
+        parts.append(f"anneal over {depth.get('anneal_steps')} steps")
+    if depth.get("retrieval_share") is not None:
+        parts.append(f"retrieval share {depth['retrieval_share']:g}")
+    return ", ".join(parts)
 
 
 PATTERN_KINDS = ("keep", "cla", "top_shared")  # kvstate.depth.patterns.for_keep's families
@@ -122,6 +151,56 @@ def eval_command(
         write_results(out, result, prov, overwrite=overwrite)
     if as_json:
         print_json({**result, "provenance": prov})
+
+
+DIAGNOSE_CODE = ("depth", "models", "lab/depth/diagnose.py", "lab/harness.py", "lab/decode.py", "lab/stats.py",
+                 "lab/scoring.py", "lab/workloads/tasks.py")
+
+
+@app.command("diagnose")
+def diagnose_command(
+    models: Annotated[list[Path], typer.Option("--model", help="Model directories (repeat --model).")],
+    out: Annotated[Path, typer.Option(
+        "--out", help="Result file (appended; never under models/), e.g. docs/results/depth_diagnosis.json.")],
+    n: Annotated[int, typer.Option("--n", min=1, help="Examples per task.")] = 40,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="A dev seed (< 1000).")] = 3,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+) -> None:
+    """Dev-seed diagnosis: each layer l >= 1 reads layer l-1's (and layer 0's) K/V instead of its own; needle scores."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rich.table import Table
+
+    from kvstate.errors import KVStateError
+    from kvstate.lab.cli_output import check_results_out, table_console, write_results
+    from kvstate.lab.depth.diagnose import (
+        DIAGNOSE_LENGTHS,
+        DIAGNOSE_TASKS,
+        check_dev_seed,
+        check_out,
+        diagnose,
+    )
+    from kvstate.lab.harness import MAX_EXAMPLES
+    from kvstate.lab.provenance import Recorder
+
+    check_dev_seed(seed)
+    check_out(out)
+    if not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task)")
+    check_results_out(out, overwrite=overwrite)
+    rec = Recorder(code=DIAGNOSE_CODE, models=list(models), n=n, seeds=[seed], tasks=DIAGNOSE_TASKS,
+                   lengths=DIAGNOSE_LENGTHS, settings={"ablation": "layer l reads layer l-1's / the first layer's K/V"})
+    result = {"models": [diagnose(m, n=n, seed=seed, progress=True) for m in models]}
+    table = Table(title=f"own-K/V ablation, n={n} per task, dev seed {seed}, {DIAGNOSE_LENGTHS[0]} tokens")
+    for col in ("model", "layer <- source", "pattern", *DIAGNOSE_TASKS):
+        table.add_column(col, justify="right")
+    for res in result["models"]:
+        for r in res["rows"]:
+            cells = [f"{r['tasks'][t]['score']:.2f} [{r['tasks'][t]['ci'][0]:.2f}, {r['tasks'][t]['ci'][1]:.2f}]"
+                     for t in DIAGNOSE_TASKS]
+            which = "none" if r["layer"] is None else f"{r['layer']} <- {r['source']}"
+            table.add_row(Path(res["model"]).name, which, r["pattern"], *cells)
+    table_console(False).print(table)
+    write_results(out, result, rec.finish(), overwrite=overwrite)
 
 
 DECODE_CODE = ("depth", "models", "lab/depth/deploy.py")

@@ -5,7 +5,12 @@ DDP under ``torchrun``); this module only wraps it in a routing context: stochas
 probability ``p`` (R-CLA; ``p = 1`` is the no-routing control), or one fixed pattern at every step
 (a specialist, e.g. CLA2 ``0_0_2_2``, always sharing as at deployment). Each DDP rank draws its own
 routes (seed + rank); ``rule`` picks the paper's draw (``paper``: any earlier layer's own K/V) or the
-ablated ``owner`` variant (:mod:`kvstate.depth.routing`). A run starts from a ``kvstate train`` output
+ablated ``owner`` variant (:mod:`kvstate.depth.routing`). Options for keeping retrieval under sharing, each
+recorded in the ``depth`` entry: ``p_layer`` (a probability per layer; a layer at 1 is never routed, and the
+deployment family declared from it is recorded with its patterns per kept fraction), ``distill`` (weight of the
+KL to the same model's own-KV pass in the same step, :mod:`kvstate.depth.distill`), ``p_schedule="anneal"``
+(p from 1 to the target over the first ``anneal_frac`` of the steps; needs a token budget) and
+``retrieval_share`` (the needle tasks' share of the training rows). A run starts from a ``kvstate train`` output
 directory (a reference model) at a fixed length and a constant learning rate after a warm-up that counts
 from the run's first step, so runs with the same ``tokens`` see the same batches; ``training_state.json``
 gains a ``depth`` entry (start model, routing, draw counts). A resumed part continues the routing draws
@@ -27,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvstate.depth.patterns import PatternError, SharingPattern, check_p, format_pattern, parse_pattern
+from kvstate.depth.patterns import (
+    PatternError,
+    SharingPattern,
+    check_p,
+    check_p_layer,
+    format_pattern,
+    parse_pattern,
+)
 from kvstate.errors import KVStateError
 from kvstate.io_safety import write_bytes_atomic
 from kvstate.validate import check_float, check_int
@@ -41,7 +53,13 @@ RULES = ("paper", "owner")  # kvstate.depth.routing.RULES (not imported: that lo
 LEGACY_RULE = "owner"
 MAX_MINUTES = 7 * 24 * 60.0  # a week: a longer budget is a typo, not a plan
 MAX_TOKENS = 10**12
-RESULT_FILES = ("depth_eval.json",)  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
+RESULT_FILES = ("depth_eval.json",)
+SCHEDULES = ("constant", "anneal")
+# the needle tasks of kvstate.lab.training.config.TASK_MIX: what --retrieval-share scales
+RETRIEVAL_PREFIX = "niah_"
+# what a depth entry recorded before these options existed had: no per-layer p, no distillation, constant p
+OPTION_DEFAULTS = {"p_layer": None, "distill": 0.0, "p_schedule": "constant", "anneal_frac": None,
+                   "retrieval_share": None}  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,11 @@ class DepthTrainConfig:
     tokens: int | None = None  # token budget: tokens // tokens_per_step steps (same batches for every run)
     seed: int = 0  # routing seed (rank r draws with seed + r)
     rule: str = "paper"  # "paper" (any earlier layer's own K/V) or "owner" (an earlier owner; ablation)
+    p_layer: tuple[float, ...] | None = None  # per-layer p (replaces p); one per layer, checked against the model
+    distill: float = 0.0  # weight of the KL to the own-KV pass (0: no teacher pass)
+    p_schedule: str = "constant"  # "constant" or "anneal" (p from 1 to the target over anneal_frac of the steps)
+    anneal_frac: float = 0.25  # share of the run's steps the anneal takes (used with p_schedule="anneal")
+    retrieval_share: float | None = None  # share of the needle tasks in the training rows (None: the start model's mix)
 
     def __post_init__(self) -> None:
         try:
@@ -73,9 +96,60 @@ class DepthTrainConfig:
         check_int("--seed", self.seed, 0, 2**31 - 1, error=KVStateError)
         if self.pattern is not None and not isinstance(self.pattern, str):
             raise PatternError(f"--pattern {self.pattern!r} must be a string such as 0_0_2_2")
+        if self.p_layer is not None:
+            check_p_layer(self.p_layer, len(self.p_layer))  # the length is checked against the model's layers later
+        if isinstance(self.distill, bool) or not isinstance(self.distill, (int, float)) or not (
+                0.0 <= self.distill <= 1e3):
+            raise KVStateError(f"--distill {self.distill!r} must be a weight >= 0 (0: no distillation), e.g. 1")
+        if self.p_schedule not in SCHEDULES:
+            raise KVStateError(f"--p-schedule {self.p_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        check_float("--anneal-frac", self.anneal_frac, 0.0, 1.0, lo_open=True, error=KVStateError)
+        if self.p_schedule == "anneal" and self.tokens is None:
+            raise KVStateError("--p-schedule anneal counts steps: pass --tokens N (not only --minutes)")
+        if self.retrieval_share is not None:
+            check_float("--retrieval-share", self.retrieval_share, 0.0, 1.0, lo_open=True, error=KVStateError)
+        if self.pattern is not None and (self.p_layer is not None or self.distill or self.p_schedule != "constant"):
+            raise KVStateError("--pattern trains one fixed pattern: drop --p-layer / --distill / --p-schedule, or drop "
+                               "--pattern to route stochastically")
 
 
-def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None) -> Any:
+class DistilledRouting:
+    """Stochastic routing plus self-distillation for the training loop: routes like the routing it wraps
+    (state included, so resume continues the draws) and adds ``weight`` x KL(own-KV pass || routed pass)
+    (:class:`kvstate.lab.training.train.AuxiliaryLoss`)."""
+
+    def __init__(self, routing: Any, weight: float) -> None:
+        self.routing = routing
+        self.weight = float(weight)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.routing.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.routing.load_state_dict(state)
+
+    def counts(self) -> Any:
+        return self.routing.counts()
+
+    def auxiliary_loss(self, model: Any, ids: Any, weights: Any, logits: Any) -> Any:
+        from kvstate.depth.distill import distillation_loss, own_kv_logits
+
+        last = self.routing.draws[-1] if self.routing.draws else None
+        if last is not None and last.sources == tuple(range(len(last.sources))):
+            return logits.new_zeros(())  # the step's own route kept every layer's K/V: it is the teacher pass
+        teacher = own_kv_logits(model, self.routing, ids)  # (B, T, V)
+        # position t predicts token t+1, whose training weight is weights[:, t+1]
+        return self.weight * distillation_loss(logits[:, :-1], teacher[:, :-1], weights[:, 1:])
+
+    def __enter__(self) -> DistilledRouting:
+        self.routing.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.routing.__exit__(*exc)
+
+
+def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None, anneal_steps: int = 0) -> Any:
     def factory(model: Any) -> Any:
         import torch
 
@@ -87,29 +161,82 @@ def _routing_factory(cfg: DepthTrainConfig, pattern: SharingPattern | None) -> A
             return routed(model, lambda: pattern)  # not apply_sharing: saves must not carry kv_sharing_modes
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        routing = StochasticKVRouting(model, cfg.p, seed=cfg.seed + rank, rule=cfg.rule)
+        routing = StochasticKVRouting(model, cfg.p, seed=cfg.seed + rank, rule=cfg.rule, p_layer=cfg.p_layer,
+                                      anneal_steps=anneal_steps)
         factory.routing = routing  # type: ignore[attr-defined]
-        return routing
+        return DistilledRouting(routing, cfg.distill) if cfg.distill > 0 else routing
     return factory
 
 
 def routing_settings(cfg: DepthTrainConfig) -> dict[str, Any]:
-    """What a depth entry records about the routing (``p`` and ``rule`` are None for a fixed pattern)."""
+    """What a depth entry records about the routing (``p`` and ``rule`` are None for a fixed pattern, ``p`` is
+    None with ``p_layer``) and the options that keep retrieval (:data:`OPTION_DEFAULTS` when unused)."""
+    options = {"p_layer": None if cfg.p_layer is None else [float(v) for v in cfg.p_layer], "distill": float(cfg.distill),
+               "p_schedule": cfg.p_schedule, "anneal_frac": cfg.anneal_frac if cfg.p_schedule == "anneal" else None,
+               "retrieval_share": cfg.retrieval_share}
     if cfg.pattern is not None:
-        return {"p": None, "pattern": format_pattern(parse_pattern(cfg.pattern)), "seed": cfg.seed, "rule": None}
-    return {"p": float(cfg.p), "pattern": None, "seed": cfg.seed, "rule": cfg.rule}
+        return {"p": None, "pattern": format_pattern(parse_pattern(cfg.pattern)), "seed": cfg.seed, "rule": None,
+                **options}
+    return {"p": None if cfg.p_layer is not None else float(cfg.p), "pattern": None, "seed": cfg.seed, "rule": cfg.rule,
+            **options}
+
+
+FLAGS = {"p_layer": "--p-layer", "distill": "--distill", "p_schedule": "--p-schedule", "anneal_frac": "--anneal-frac",
+         "retrieval_share": "--retrieval-share"}
+
+
+def _flag(key: str, value: Any) -> str:
+    if isinstance(value, list):
+        value = ",".join(f"{v:g}" for v in value)
+    return f"{FLAGS.get(key, '--' + key)} {value}"
+
+
+def declared_family_record(layers: Any, cfg: DepthTrainConfig) -> dict[str, Any] | None:
+    """The deployment family a stochastic run declares: its per-layer p, the layers that always own their K/V,
+    and the family's patterns per kept fraction (counts only past 64 patterns); None for a fixed pattern."""
+    from kvstate.depth.patterns import declared_family, kept_fraction
+
+    if cfg.pattern is not None:
+        return None
+    ps = check_p_layer(cfg.p_layer if cfg.p_layer is not None else (cfg.p,) * len(layers), len(layers))
+    family = declared_family(layers, ps)
+    record: dict[str, Any] = {"p_layer": list(ps), "always_own": [i for i, v in enumerate(ps) if v == 1.0]}
+    if family is None:
+        record.update(patterns=None, by_keep=None)
+        return record
+    by_keep: dict[str, list[str]] = {}
+    for pat in family:
+        by_keep.setdefault(f"{kept_fraction(pat, layers):g}", []).append(format_pattern(pat))
+    record["patterns"] = len(family)
+    record["by_keep"] = {k: (v if len(family) <= 64 else len(v)) for k, v in sorted(by_keep.items(), reverse=True)}
+    return record
+
+
+def retrieval_mix(mix: dict[str, float], share: float) -> dict[str, float]:
+    """``mix`` with the needle tasks rescaled to ``share`` of the rows and the rest to ``1 - share`` (each group's
+    internal proportions kept)."""
+    total = sum(mix.values())
+    needle = sum(v for t, v in mix.items() if t.startswith(RETRIEVAL_PREFIX))
+    other = total - needle
+    if needle <= 0 or (share < 1 and other <= 0):
+        raise KVStateError(f"--retrieval-share {share:g}: the training mix {mix} cannot be rescaled (it needs needle "
+                           "tasks and, below 1, other tasks); set the mix with --set task_mix=...")
+    return {t: round((share * v / needle if t.startswith(RETRIEVAL_PREFIX) else (1 - share) * v / other) * total, 6)
+            for t, v in mix.items()}
 
 
 def check_resume(recorded: dict[str, Any], cfg: DepthTrainConfig, out: str | Path) -> None:
-    """Refuse a resume whose routing settings (p, pattern, seed, rule) differ from the recorded run's."""
+    """Refuse a resume whose routing settings (p, pattern, seed, rule, the retrieval options) differ from the
+    recorded run's."""
     old = {"p": recorded.get("p"), "pattern": recorded.get("pattern"), "seed": recorded.get("seed", 0),
-           "rule": recorded.get("rule", LEGACY_RULE if recorded.get("pattern") is None else None)}
+           "rule": recorded.get("rule", LEGACY_RULE if recorded.get("pattern") is None else None),
+           **{k: recorded.get(k, v) for k, v in OPTION_DEFAULTS.items()}}
     new = routing_settings(cfg)
-    diff = [k for k in ("p", "pattern", "seed", "rule") if old[k] != new[k]]
+    diff = [k for k in ("p", "pattern", "seed", "rule", *OPTION_DEFAULTS) if old[k] != new[k]]
     if diff:
         was = ", ".join(f"{k}={old[k]!r}" for k in diff)
         now = ", ".join(f"{k}={new[k]!r}" for k in diff)
-        flags = " ".join(f"--{k} {old[k]}" for k in diff if old[k] is not None)
+        flags = " ".join(_flag(k, old[k]) for k in diff if old[k] is not None)
         raise KVStateError(f"depth train --resume: {str(out)!r} was trained with {was} but this command asks for "
                            f"{now}; a resumed run must keep its routing — pass {flags or 'the recorded settings'}, "
                            "or train into a new --out")
@@ -144,8 +271,8 @@ def _resume_dir(out: Path, cfg: DepthTrainConfig) -> Path:
 
 
 def check_outputs(model_dir: Path, out: Path, cfg: DepthTrainConfig, *, resume: bool, overwrite: bool) -> Path:
-    """Every refusal a depth run can meet before any work: the output rule, the resume kind, the row length
-    against the start model's positions. Returns the directory training starts from."""
+    """Every refusal a depth run can meet before any work: the output rule, the resume kind, ``--p-layer``
+    against the start model's layers, the row length against its positions. Returns the directory training starts from."""
     from kvstate.integrity import accepts_kind
     from kvstate.io_safety import check_not_input, check_output_dir
     from kvstate.models.families import text_config
@@ -155,7 +282,12 @@ def check_outputs(model_dir: Path, out: Path, cfg: DepthTrainConfig, *, resume: 
     check_output_dir(out, overwrite=overwrite or resume, accept=accepts_kind("model"),
                      kind="a model directory (a depth run's output)")
     start = _resume_dir(out, cfg) if resume else model_dir
-    limit = getattr(text_config(load_config(model_dir)), "max_position_embeddings", None)
+    config = load_config(model_dir)
+    if cfg.p_layer is not None:
+        from kvstate.depth.attention import layer_specs
+
+        check_p_layer(cfg.p_layer, len(layer_specs(config)))
+    limit = getattr(text_config(config), "max_position_embeddings", None)
     if isinstance(limit, int) and cfg.length > limit:
         raise KVStateError(f"--length {cfg.length:,} exceeds the max_position_embeddings={limit:,} of {str(model_dir)!r}; "
                            f"pass --length <= {limit:,}")
@@ -172,8 +304,11 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     budget is counted afresh.
     ``overwrite`` replaces an ``out_dir`` that holds other output (refused otherwise).
     """
+    from kvstate.depth.attention import layer_specs
+    from kvstate.lab.training.config import TASK_MIX
     from kvstate.lab.training.io import STATE_FILE
     from kvstate.lab.training.train import TrainConfig, load_state, train
+    from kvstate.models.loading import load_config
 
     out = Path(out_dir)
     pattern = parse_pattern(cfg.pattern) if cfg.pattern is not None else None
@@ -187,9 +322,19 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     fields = {**base, **FINE_TUNE, "max_length": cfg.length, **(overrides or {})}
     fields["resume_length"] = None if resume else cfg.length
     fields["start_length"] = min(int(fields["start_length"]), cfg.length)
+    if cfg.retrieval_share is not None:
+        mix = fields.get("task_mix") or dict(TASK_MIX)
+        fields["task_mix"] = retrieval_mix(dict(mix), cfg.retrieval_share)
     steps = math.ceil(cfg.tokens / int(fields["tokens_per_step"])) if cfg.tokens is not None else None
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
-    factory = _routing_factory(cfg, pattern)
+    layers = layer_specs(load_config(Path(model_dir)))  # check_outputs checked --p-layer against them
+    family = declared_family_record(layers, cfg)
+    # the anneal spans a share of the first part's steps; a resumed part keeps the recorded horizon
+    if prev is not None:
+        anneal_steps = int(prev.get("anneal_steps", 0))
+    else:
+        anneal_steps = round(cfg.anneal_frac * steps) if cfg.p_schedule == "anneal" and steps else 0
+    factory = _routing_factory(cfg, pattern, anneal_steps)
     # a resumed part replaces out whole: its evaluation results are carried over, never dropped
     kept = {n: (out / n).read_bytes() for n in RESULT_FILES if resume and (out / n).is_file()}
     result = train(tcfg, out, resume=start, progress=progress, log=log, context=factory,
@@ -205,6 +350,8 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
         entry = {"start": str(model_dir), "start_step": int(origin["step"]), "start_tokens": int(origin["tokens"]),
                  "parts": []}
     entry.update(routing_settings(cfg))
+    entry["anneal_steps"] = anneal_steps
+    entry["family"] = family
     entry["parts"].append({"to_step": result["step"], "tokens": result["tokens"], "draw_counts": counts})
     result[DEPTH_KEY] = entry
     _write_state(out, result)
@@ -226,4 +373,5 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
         refresh_manifest(out)
 
 
-__all__ = ["DEPTH_KEY", "DepthTrainConfig", "check_outputs", "check_resume", "depth_train", "routing_settings"]
+__all__ = ["DEPTH_KEY", "SCHEDULES", "DepthTrainConfig", "DistilledRouting", "check_outputs", "check_resume",
+           "declared_family_record", "depth_train", "retrieval_mix", "routing_settings"]

@@ -30,7 +30,8 @@ only rank 0 saves. ``context(model)`` (optional) wraps the whole loop, e.g. in s
 when the context object has ``state_dict()`` / ``load_state_dict()`` (:class:`ResumableContext`), every
 save (periodic ones too) records each rank's state under ``context_state`` and a part that continues the
 same run (``resume`` is ``out`` or its partial directory) loads it back, so routing draws continue where
-they stopped. With ``warmup_per_part=False`` the warm-up counts from the run's first step
+they stopped; when it has ``auxiliary_loss()`` (:class:`AuxiliaryLoss`, e.g. self-distillation under routing)
+its term is added to each step's loss and logged as ``aux`` in the learning curve. With ``warmup_per_part=False`` the warm-up counts from the run's first step
 (``warmup_start`` in the state) instead of restarting with every part. Ignored: mixed lengths within one batch.
 """
 
@@ -159,6 +160,14 @@ class ResumableContext(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class AuxiliaryLoss(Protocol):
+    """A ``context(model)`` object that adds a term to each step's loss from the batch and its logits."""
+
+    def auxiliary_loss(self, model: Any, ids: torch.Tensor, weights: torch.Tensor,
+                       logits: torch.Tensor) -> torch.Tensor: ...
+
+
 def _context_states(scope: Any, ddp: bool, world: int) -> dict[str, Any]:
     """``{CONTEXT_KEY: [state of rank 0, rank 1, ...]}`` (a collective under DDP), or ``{}`` without one."""
     if not isinstance(scope, ResumableContext):
@@ -251,6 +260,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     state["warmup_start"] = warm0
     stage_start, last_save, budget = t_start, t_start, cfg.minutes * 60
     losses: list[float] = []
+    aux_losses: list[float] = []
     # non-owner layers of a routed pass leave their K/V projections unused: DDP must allow that
     net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True) if ddp else model
     scope = context(model) if context is not None else nullcontext()
@@ -274,6 +284,11 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             logits = logits.float()
             ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
             loss = weighted_loss(ce, weights[:, 1:], cfg)
+            if isinstance(scope, AuxiliaryLoss):  # e.g. a teacher pass: under the same autocast as the student
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                    aux = scope.auxiliary_loss(model, ids, weights, logits)
+                loss = loss + aux
+                aux_losses.append(float(aux.detach()))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -302,8 +317,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
                          "tokens": state["tokens"], "length": length, "loss": round(float(np.mean(losses)), 4),
                          "exact": {t: round(v, 3) for t, v in em.items()},
                          "first_token": {t: round(v, 3) for t, v in ft.items()}}
+                if aux_losses:
+                    point["aux"] = round(float(np.mean(aux_losses)), 4)
                 state["curve"].append(point)
-                losses = []
+                losses, aux_losses = [], []
                 bar.note(f"len={length} loss={point['loss']} single={em.get('niah_single')} mk={em.get('niah_multikey')}")
                 log(json.dumps(point))
             patience = now - stage_start > cfg.stage_patience_min * 60 and sum(gate) / len(gate) >= cfg.patience_floor
@@ -349,5 +366,5 @@ def _agreed(flag: bool, ddp: bool) -> bool:
     return bool(t.item())
 
 
-__all__ = ["ARCHS", "CONTEXT_KEY", "GATE_TASKS", "TASK_MIX", "ResumableContext", "TrainConfig", "TrainError",
+__all__ = ["ARCHS", "CONTEXT_KEY", "GATE_TASKS", "TASK_MIX", "AuxiliaryLoss", "ResumableContext", "TrainConfig", "TrainError",
            "load_state", "make_batch", "model_config", "train"]
