@@ -52,8 +52,8 @@ WORKER = textwrap.dedent("""
 
     seen = {}
     factory = T._routing_factory
-    def spy(cfg, pattern):  # keep each rank's in-memory model to compare weights across ranks
-        f = factory(cfg, pattern)
+    def spy(*args):  # keep each rank's in-memory model to compare weights across ranks
+        f = factory(*args)
         def wrap(model):
             seen["model"] = model
             ctx = f(model)
