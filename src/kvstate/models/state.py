@@ -119,10 +119,12 @@ class CacheSnapshot:
 
 
 def snapshot_cache(
-    cache: DynamicCache, length: int, kinds: list[LayerKind], *, attention: bool = True
+    cache: DynamicCache, length: int, kinds: list[LayerKind], *, attention: bool = True, clone: bool = True
 ) -> CacheSnapshot:
     """Clone the state of ``cache``, which has consumed exactly ``length`` tokens (``attention=False``: the
-    recurrent parts only, without copying the attention KV — a sparse checkpoint)."""
+    recurrent parts only, without copying the attention KV — a sparse checkpoint). ``clone=False``: views of
+    the live tensors, for a caller that copies what it keeps at once (the cache updates them in place)."""
+    copy = (lambda t: t.clone()) if clone else (lambda t: t)
     if len(cache.layers) != len(kinds):
         raise KVStateError(
             f"cache has {len(cache.layers)} layers but the model config has {len(kinds)}; "
@@ -143,13 +145,13 @@ def snapshot_cache(
                     f"layer {i} holds {layer.keys.shape[-2]} tokens of KV but the snapshot was asked at {length}; "
                     "snapshot exactly at the position the cache has reached (sliding-window layers are not supported)."
                 )
-            att = AttentionState(layer.keys.clone(), layer.values.clone())
+            att = AttentionState(copy(layer.keys), copy(layer.values))
         if kind in (LayerKind.RECURRENT, LayerKind.HYBRID):
             if not isinstance(layer, LinearAttentionCacheLayerMixin) or not layer.is_recurrent_states_initialized[0]:
                 raise KVStateError(f"layer {i} ({kind}) holds no recurrent state yet; run a forward pass first.")
             if layer.number_of_states != 1:
                 raise KVStateError(f"layer {i} carries {layer.number_of_states} recurrent states; kvstate supports 1.")
-            recurrent = RecurrentState(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+            recurrent = RecurrentState(copy(layer.conv_states[0]), copy(layer.recurrent_states[0]))
         layers.append(LayerSnapshot(kind, att, recurrent))
     return CacheSnapshot(length, tuple(layers), has_attention=attention)
 
@@ -159,6 +161,8 @@ def restore_cache(
     snapshot: CacheSnapshot,
     length: int | None = None,
     recurrent: CacheSnapshot | None = None,
+    *,
+    copy: bool = True,
 ) -> ResumableCache:
     """A fresh ``DynamicCache`` (a :class:`ResumableCache`) holding ``snapshot``'s state at ``length`` tokens.
 
@@ -166,6 +170,7 @@ def restore_cache(
     state comes from ``recurrent`` when given (a checkpoint, which must be at ``length``), else from
     ``snapshot`` (then ``length`` must equal ``snapshot.length``: a recurrent state cannot be sliced).
     The cache reports ``length`` to ``model.generate``, which then feeds only the tokens after it.
+    ``copy=False``: the snapshot's tensors are fresh and handed over (the cache may keep them as they are).
     """
     length = snapshot.length if length is None else length
     kinds = layer_kinds(config)
@@ -195,10 +200,10 @@ def restore_cache(
             assert att is not None
             part = att.sliced(length)
             # update() concatenates onto an empty cache, which copies: the snapshot stays unaliased
-            layer.update(part.keys.clone(), part.values.clone())
+            layer.update(part.keys.clone() if copy else part.keys, part.values.clone() if copy else part.values)
         if kind in (LayerKind.RECURRENT, LayerKind.HYBRID):
             rec = source.layers[i].recurrent
             assert rec is not None
-            layer.update_conv_state(rec.conv.clone())
-            layer.update_recurrent_state(rec.recurrent.clone())
+            layer.update_conv_state(rec.conv.clone() if copy else rec.conv)
+            layer.update_recurrent_state(rec.recurrent.clone() if copy else rec.recurrent)
     return cache.seal(length)

@@ -123,7 +123,7 @@ class DecodeBatch:
                 "add: cache must be a DynamicCache(config=model.config) (e.g. prefill(..., full_state=True).cache), "
                 f"got {type(cache).__name__}."
             )
-        row = snapshot_cache(cache, length, self._kinds)  # checks the layer count and the KV length
+        row = snapshot_cache(cache, length, self._kinds, clone=False)  # checks the layer count and KV length; copied below
         if not self._has_attention and isinstance(cache, ResumableCache):
             # no KV to count: a sealed recurrent cache still knows its length until it is advanced
             try:
@@ -229,10 +229,11 @@ class DecodeBatch:
         return max(self._lengths) if self._lengths else 0
 
     def _snapshot(self) -> CacheSnapshot:
-        """The batched cache's state (cloned), ``length`` = the padded KV length."""
+        """The batched cache's state as views, ``length`` = the padded KV length: every caller copies what it
+        keeps (stacking, selecting rows, restoring), so cloning here would only add a copy of the batch."""
         assert self._cache is not None and self._rows, "snapshot of an empty batch"
         lmax = self._lmax() if self._has_attention else 0
-        return snapshot_cache(self._cache, lmax, self._kinds)
+        return snapshot_cache(self._cache, lmax, self._kinds, clone=False)
 
     def _check_row(self, rid: RequestId, row: CacheSnapshot, current: CacheSnapshot | None) -> None:
         """One row of this model's shapes and dtypes, on its device, like the rows already in the batch."""
@@ -259,7 +260,7 @@ class DecodeBatch:
         """Install the batched cache made of ``parts`` stacked along the batch, left-padded (or trimmed on the
         left) to the longest row; the 2D mask marks each row's pads."""
         lmax = max(lengths) if self._has_attention else 0
-        self._cache = restore_cache(self.model.config, _concat(parts, lmax), lmax)
+        self._cache = restore_cache(self.model.config, _concat(parts, lmax), lmax, copy=False)  # _concat's are fresh
         pos = torch.arange(lmax, device=self._device)  # (Lmax,)
         pads = torch.tensor([lmax - n for n in lengths], device=self._device).unsqueeze(1)  # (B, 1)
         self._mask = (pos.unsqueeze(0) >= pads).long()  # (B, Lmax); (B, 0) without attention layers
