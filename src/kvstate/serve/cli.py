@@ -14,7 +14,8 @@ def serve_command(
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     budget_bytes: Annotated[int, typer.Option("--budget-bytes", min=1, help="Prefix cache byte budget.")] = 1 << 30,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Serve without the prefix cache (to compare).")] = False,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait; more get 503.")] = 8,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="Requests that may wait beyond the batch's "
+                                           "free rows; more get 503.")] = 256,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body accepted; a "
                                                 "larger one gets 413 before it is read.")] = 4 << 20,
     served_name: Annotated[str | None, typer.Option("--served-model-name",

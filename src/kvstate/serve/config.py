@@ -15,7 +15,7 @@ from kvstate.validate import check_int
 class ServeConfig:
     model_id: str  # the name /v1/models lists and requests must name
     budget_bytes: int | None = 1 << 30  # prefix-cache byte budget; None serves without a prefix cache
-    max_queue: int = 8  # requests waiting behind the running one; one more is answered 503 at once
+    max_queue: int = 256  # requests waiting beyond the batch's free rows; one more is answered 503 at once
     default_max_tokens: int = 256  # a chat request without max_tokens (completions default to 16, as OpenAI's)
     chat_template: str | None = None  # a Jinja chat template overriding the tokenizer's (and the default)
     remote: str | None = None  # the prefix cache's shared tier, "redis://host:port/db" (replicas share prefixes)

@@ -70,7 +70,7 @@ def test_models_health_and_metrics(on: Running) -> None:
     assert [m.id for m in client(on).models.list()] == ["tiny"]
     assert httpx.get(on.url + "/health").json()["status"] == "ok"
     m = on.metrics()
-    assert m["kvstate_prefix_cache_enabled"] == 1.0 and m["kvstate_queue_capacity"] == 8.0
+    assert m["kvstate_prefix_cache_enabled"] == 1.0 and m["kvstate_queue_capacity"] == 256.0
     assert "kvstate_prefix_reused_tokens_total" in m and 'kvstate_prefix_bytes{kind="attention_kv"}' in m
 
 
