@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -82,9 +83,16 @@ def test_two_process_ddp_loss_falls_and_ranks_stay_in_sync(start, tmp_path):
     worker.write_text(WORKER)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3] / "src"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "ddp"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), str(start), str(out), json.dumps(FAST)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    for attempt in range(2):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(worker), str(start), str(out), json.dumps(FAST)],
+                              capture_output=True, text=True, env=env, timeout=300)
+        # seen once in ~10 clean runs: a worker aborts in gloo's C++ teardown ("terminate called without an
+        # active exception", SIGABRT) after training; that one failure is retried once, any other fails at once
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr or attempt:
+            break
+        for stale in tmp_path.glob("ddp*"):
+            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("ddp.result-*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1]
