@@ -50,6 +50,29 @@ def test_options_are_recorded_and_take_effect(start, tmp_path):
     assert again["depth"]["anneal_steps"] == 4 and len(again["depth"]["parts"]) == 2
 
 
+def test_anneal_tokens_span_a_run_trained_in_parts(start, tmp_path):
+    from kvstate.lab.depth.train import anneal_horizon
+
+    out = tmp_path / "anneal"
+    cfg = DepthTrainConfig(p=0.0, length=64, tokens=2 * 256, p_schedule="anneal", anneal_tokens=4 * 256)
+    assert anneal_horizon(cfg, 2, 256) == 4  # the horizon is the tokens given, not a share of this part's 2 steps
+    assert anneal_horizon(DepthTrainConfig(p=0.0, tokens=2 * 256, p_schedule="anneal", anneal_frac=0.5), 2, 256) == 1
+    first = depth_train(start, out, cfg, overrides=FAST, **QUIET)
+    assert first["depth"]["anneal_steps"] == 4 and first["depth"]["anneal_tokens"] == 1024
+    assert first["depth"]["anneal_frac"] is None
+    assert first["depth"]["parts"][0]["draw_counts"] == {"0_1_2_3": 1, **first["depth"]["parts"][0]["draw_counts"]}
+    again = depth_train(start, out, cfg, resume=True, overrides=FAST, **QUIET)
+    assert again["depth"]["anneal_steps"] == 4 and len(again["depth"]["parts"]) == 2
+    # p = 0 after the anneal: every step from the 4th on routes all layers but the first; the schedule continued
+    routing = load_state(out)["context_state"][0]
+    assert routing["draws"] == 4 and routing["anneal_steps"] == 4
+    with pytest.raises(KVStateError, match="anneal_tokens="):
+        depth_train(start, out, DepthTrainConfig(**{**cfg.__dict__, "anneal_tokens": 8 * 256}), resume=True,
+                    overrides=FAST, **QUIET)
+    with pytest.raises(KVStateError, match="--anneal-tokens sets the anneal's horizon"):
+        DepthTrainConfig(tokens=10, anneal_tokens=100)
+
+
 def test_no_options_record_the_defaults(start, tmp_path):
     state = depth_train(start, tmp_path / "plain", DepthTrainConfig(p=0.5, length=64, tokens=256), overrides=FAST,
                         **QUIET)

@@ -39,6 +39,8 @@ def train_command(
     p_schedule: Annotated[str, typer.Option(
         "--p-schedule", help="constant, or anneal: p from 1 to the target over --anneal-frac of the steps.")] = "constant",
     anneal_frac: Annotated[float, typer.Option("--anneal-frac", help="Share of the steps the anneal takes.")] = 0.25,
+    anneal_tokens: Annotated[int | None, typer.Option(
+        "--anneal-tokens", help="The anneal's horizon in tokens (replaces --anneal-frac; spans a run trained in parts).")] = None,
     retrieval_share: Annotated[float | None, typer.Option(
         "--retrieval-share", help="Share of needle tasks in the training rows (default: the start model's mix).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the depth run saved in --out.")] = False,
@@ -62,7 +64,7 @@ def train_command(
                            "e.g. 1,1,0.5,0.5") from None
     cfg = DepthTrainConfig(p=p, pattern=pattern, length=length, minutes=minutes, tokens=tokens, seed=seed, rule=rule,
                            p_layer=layer_ps, distill=distill, p_schedule=p_schedule, anneal_frac=anneal_frac,
-                           retrieval_share=retrieval_share)
+                           retrieval_share=retrieval_share, anneal_tokens=anneal_tokens)
     extra = parse_overrides(overrides or [])
     check_outputs(model, out, cfg, resume=resume, overwrite=overwrite)  # before DDP starts: every refusal first
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

@@ -9,7 +9,8 @@ ablated ``owner`` variant (:mod:`kvstate.depth.routing`). Options for keeping re
 recorded in the ``depth`` entry: ``p_layer`` (a probability per layer; a layer at 1 is never routed, and the
 deployment family declared from it is recorded with its patterns per kept fraction), ``distill`` (weight of the
 KL to the same model's own-KV pass in the same step, :mod:`kvstate.depth.distill`), ``p_schedule="anneal"``
-(p from 1 to the target over the first ``anneal_frac`` of the steps; needs a token budget) and
+(p from 1 to the target over the first ``anneal_frac`` of the steps — needs a token budget — or over
+``anneal_tokens`` tokens, which lets one anneal span a run trained in parts of a few ``--tokens`` each) and
 ``retrieval_share`` (the needle tasks' share of the training rows). A run starts from a ``kvstate train`` output
 directory (a reference model) at a fixed length and a constant learning rate after a warm-up that counts
 from the run's first step, so runs with the same ``tokens`` see the same batches; ``training_state.json``
@@ -59,7 +60,7 @@ SCHEDULES = ("constant", "anneal")
 RETRIEVAL_PREFIX = "niah_"
 # what a depth entry recorded before these options existed had: no per-layer p, no distillation, constant p
 OPTION_DEFAULTS = {"p_layer": None, "distill": 0.0, "p_schedule": "constant", "anneal_frac": None,
-                   "retrieval_share": None}  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
+                   "anneal_tokens": None, "retrieval_share": None}  # kvstate.lab.depth.card.EVAL_FILE: results appended next to a run
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class DepthTrainConfig:
     p_schedule: str = "constant"  # "constant" or "anneal" (p from 1 to the target over anneal_frac of the steps)
     anneal_frac: float = 0.25  # share of the run's steps the anneal takes (used with p_schedule="anneal")
     retrieval_share: float | None = None  # share of the needle tasks in the training rows (None: the start model's mix)
+    anneal_tokens: int | None = None  # the anneal's horizon in tokens (replaces anneal_frac; spans parts of a run)
 
     def __post_init__(self) -> None:
         try:
@@ -104,8 +106,12 @@ class DepthTrainConfig:
         if self.p_schedule not in SCHEDULES:
             raise KVStateError(f"--p-schedule {self.p_schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
         check_float("--anneal-frac", self.anneal_frac, 0.0, 1.0, lo_open=True, error=KVStateError)
-        if self.p_schedule == "anneal" and self.tokens is None:
-            raise KVStateError("--p-schedule anneal counts steps: pass --tokens N (not only --minutes)")
+        if self.anneal_tokens is not None:
+            check_int("--anneal-tokens", self.anneal_tokens, 1, MAX_TOKENS, error=KVStateError)
+            if self.p_schedule != "anneal":
+                raise KVStateError("--anneal-tokens sets the anneal's horizon: pass it with --p-schedule anneal")
+        if self.p_schedule == "anneal" and self.tokens is None and self.anneal_tokens is None:
+            raise KVStateError("--p-schedule anneal counts steps: pass --tokens N or --anneal-tokens N (not only --minutes)")
         if self.retrieval_share is not None:
             check_float("--retrieval-share", self.retrieval_share, 0.0, 1.0, lo_open=True, error=KVStateError)
         if self.pattern is not None and (self.p_layer is not None or self.distill or self.p_schedule != "constant"):
@@ -172,8 +178,9 @@ def routing_settings(cfg: DepthTrainConfig) -> dict[str, Any]:
     """What a depth entry records about the routing (``p`` and ``rule`` are None for a fixed pattern, ``p`` is
     None with ``p_layer``) and the options that keep retrieval (:data:`OPTION_DEFAULTS` when unused)."""
     options = {"p_layer": None if cfg.p_layer is None else [float(v) for v in cfg.p_layer], "distill": float(cfg.distill),
-               "p_schedule": cfg.p_schedule, "anneal_frac": cfg.anneal_frac if cfg.p_schedule == "anneal" else None,
-               "retrieval_share": cfg.retrieval_share}
+               "p_schedule": cfg.p_schedule,
+               "anneal_frac": cfg.anneal_frac if cfg.p_schedule == "anneal" and cfg.anneal_tokens is None else None,
+               "anneal_tokens": cfg.anneal_tokens, "retrieval_share": cfg.retrieval_share}
     if cfg.pattern is not None:
         return {"p": None, "pattern": format_pattern(parse_pattern(cfg.pattern)), "seed": cfg.seed, "rule": None,
                 **options}
@@ -182,6 +189,7 @@ def routing_settings(cfg: DepthTrainConfig) -> dict[str, Any]:
 
 
 FLAGS = {"p_layer": "--p-layer", "distill": "--distill", "p_schedule": "--p-schedule", "anneal_frac": "--anneal-frac",
+         "anneal_tokens": "--anneal-tokens",
          "retrieval_share": "--retrieval-share"}
 
 
@@ -329,11 +337,11 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     tcfg = TrainConfig(**{**fields, "minutes": cfg.minutes or 24 * 60.0, "max_steps": steps})
     layers = layer_specs(load_config(Path(model_dir)))  # check_outputs checked --p-layer against them
     family = declared_family_record(layers, cfg)
-    # the anneal spans a share of the first part's steps; a resumed part keeps the recorded horizon
+    # the anneal spans anneal_tokens, or a share of the first part's steps; a resumed part keeps the recorded horizon
     if prev is not None:
         anneal_steps = int(prev.get("anneal_steps", 0))
     else:
-        anneal_steps = round(cfg.anneal_frac * steps) if cfg.p_schedule == "anneal" and steps else 0
+        anneal_steps = anneal_horizon(cfg, steps, int(fields["tokens_per_step"]))
     factory = _routing_factory(cfg, pattern, anneal_steps)
     # a resumed part replaces out whole: its evaluation results are carried over, never dropped
     kept = {n: (out / n).read_bytes() for n in RESULT_FILES if resume and (out / n).is_file()}
@@ -358,6 +366,16 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     return result
 
 
+def anneal_horizon(cfg: DepthTrainConfig, steps: int | None, tokens_per_step: int) -> int:
+    """Steps (= routing draws) over which p anneals from 1: ``anneal_tokens`` in steps when given, else
+    ``anneal_frac`` of this part's ``steps``; 0 with a constant schedule."""
+    if cfg.p_schedule != "anneal":
+        return 0
+    if cfg.anneal_tokens is not None:
+        return math.ceil(cfg.anneal_tokens / tokens_per_step)
+    return round(cfg.anneal_frac * steps) if steps else 0
+
+
 def _write_state(out: Path, state: dict[str, Any]) -> None:
     import torch
 
@@ -373,5 +391,5 @@ def _write_state(out: Path, state: dict[str, Any]) -> None:
         refresh_manifest(out)
 
 
-__all__ = ["DEPTH_KEY", "SCHEDULES", "DepthTrainConfig", "DistilledRouting", "check_outputs", "check_resume",
-           "declared_family_record", "depth_train", "retrieval_mix", "routing_settings"]
+__all__ = ["DEPTH_KEY", "SCHEDULES", "DepthTrainConfig", "DistilledRouting", "anneal_horizon", "check_outputs",
+           "check_resume", "declared_family_record", "depth_train", "retrieval_mix", "routing_settings"]
