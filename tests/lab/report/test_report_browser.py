@@ -170,6 +170,9 @@ def test_report_renders_in_chromium(report, tmp_path):
     assert all(len(row) == 6 and row[2] and row[4] in ("met", "missed", "undecided", "stale", "missing")
                and row[5] for row in page.headline)
     assert (tmp_path / "first_screen.png").stat().st_size > 10_000
+    narrow = check_page(report / "index.html", width=1280)
+    assert 0 < narrow.scroll_width <= 1280  # no horizontal scrolling at 1,280 px
+    assert [v["axis"] for v in summary["verdicts"]] == ["position"] and "id='verdicts'" in (report / "index.html").read_text()
 
 
 def test_the_browser_check_sees_broken_images_and_errors(report, tmp_path):

@@ -105,8 +105,11 @@ def test_summary_json_has_schema_headline_and_strict_numbers(tmp_path):
     assert data["sections"]["k"] == {"nan": None, "np": 0.25, "arr": [0, 1, 2]}
     assert data["headline"] == [{"section": "k", "technique": "t", "target": "x", "measured": "0.25", "met": True,
                                  "source": "run", "status": "met", "ci": None, "rate": False, "artifact": None,
-                                 "commit": None, "command": None}]
-    assert data["headline_counts"] == {"met": 1, "missed": 0, "undecided": 0, "stale": 0, "missing": 0, "live": 1}
+                                 "commit": None, "command": None, "seeds": None, "n": None, "tasks": None,
+                                 "excluded_tasks": None, "timing": False, "kind": "result", "because": ""}]
+    assert data["headline_counts"] == {"met": 1, "missed": 0, "undecided": 0, "stale": 0, "missing": 0, "live": 1,
+                                       "checks": 0, "checks_failing": 0}
+    assert data["checks"] == [] and data["verdicts"] == []  # no section named its axis
     assert data["run"]["sections"] == [{"key": "k", "title": "T", "paper": "", "seconds": 1.5}]
     assert oct((tmp_path / "summary.json").stat().st_mode & 0o777) == "0o644"
     assert summary_json([s])["sections"]["k"]["nan"] is s.summary["nan"]  # the section's dict is not modified
@@ -215,3 +218,66 @@ def test_unwritable_parent_is_reported_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="cannot be written"):
         build_report(Path("/proc/kvstate-report"), tmp_path)  # not writable, even for root
     assert not calls
+
+
+def test_checks_are_shown_apart_and_never_counted_as_met(tmp_path):
+    from kvstate.lab.report.html import check_row, run_row
+
+    rows = [run_row("r", "quality >= 0.9", "0.95", status="met", ci=(0.91, 0.98), rate=True, seeds=(1000,), n=100,
+                    tasks=("a", "b"), excluded_tasks={"c": 0.4}),
+            check_row("r", "reads <= budget", True, "the reader caps reads at the budget"),
+            check_row("r", "total <= 0.5x", False, "follows from the constants")]
+    with pytest.raises(KVStateError, match="says what it holds by"):
+        check_row("r", "x", True, "")
+    s = Section("k", "T", headline=rows, axis="resolution")
+    page = render([s])
+    head = page[page.index("id='headline-table'"):page.index("id='checks-table'")]
+    checks = page[page.index("id='checks-table'"):]
+    assert "reads &lt;= budget" not in head and "reads &lt;= budget" in checks and "caps reads" in checks
+    assert "1 met, 0 missed, 0 undecided; 1 measured in this run" in page
+    write_report(tmp_path, [s])
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["target"] for r in data["headline"]] == ["quality >= 0.9"]
+    assert [(r["target"], r["status"]) for r in data["checks"]] == [("reads <= budget", "met"),
+                                                                     ("total <= 0.5x", "missed")]
+    assert data["headline_counts"]["met"] == 1 and data["headline_counts"]["checks_failing"] == 1
+    row = data["headline"][0]
+    assert (row["seeds"], row["n"], row["tasks"], row["excluded_tasks"]) == ([1000], 100, ["a", "b"], {"c": 0.4})
+
+
+def test_a_verdict_per_axis_at_the_top_with_its_best_number():
+    from kvstate.lab.report.html import run_row, verdicts
+
+    met = run_row("p", "speed-up >= 1.5x", "2.1x", status="met", ci=(1.8, 2.4))
+    miss = run_row("p", "hit <= 5 ms", "9 ms", status="missed", ci=(8.0, 10.0))
+    und = run_row("d", "drop <= 2 pp", "1 pp", status="undecided", ci=(-1.0, 3.0))
+    sections = [Section("a", "A", headline=[met, miss], axis="position"), Section("b", "B", headline=[und], axis="depth"),
+                Section("c", "C", headline=[met], axis="resolution")]
+    v = {x["axis"]: x for x in verdicts(sections)}
+    assert (v["position"]["verdict"], v["position"]["best"]["measured"]) == ("partly", "2.1x")
+    assert (v["depth"]["verdict"], v["depth"]["best"]["ci"]) == ("not yet", (-1.0, 3.0))
+    assert v["resolution"]["verdict"] == "works" and v["position"]["met"] == 1 and v["position"]["targets"] == 2
+    page = render(sections)
+    assert page.index("id='verdicts'") < page.index("id='headline-table'")
+    assert "partly</span> (1 of 2 targets met) — speed-up &gt;= 1.5x: 2.1x [1.8, 2.4] (met)" in page
+
+
+def test_a_timing_row_needs_five_repeats_and_its_spread():
+    from kvstate.lab.report.html import run_row
+
+    with pytest.raises(KVStateError, match="timing row needs >= 5 interleaved repeats"):
+        run_row("p", "t", "1.2x", status="met", ci=(1.1, 1.3), timing=True, repeats=3)
+    with pytest.raises(KVStateError, match="timing row needs"):
+        run_row("p", "t", "1.2x", True, timing=True, repeats=5)  # no spread
+    assert run_row("p", "t", "1.2x", status="met", ci=(1.1, 1.3), timing=True, repeats=5).repeats == 5
+
+
+def test_an_artifact_row_takes_seeds_n_and_tasks_from_the_files_provenance():
+    from kvstate.lab.provenance import Artifact
+    from kvstate.lab.report.html import artifact_row
+
+    run = {"provenance": {"seeds": [1001], "n": 64, "tasks": ["chat"], "settings": {"repeats": 7}}}
+    art = Artifact("models/x/r.json", "kvstate x", "current", "", run, 1)
+    row = artifact_row(art, "p", "t", "1.2x", status="met", ci=(1.1, 1.3), timing=True)
+    assert (row.seeds, row.n, row.tasks, row.repeats) == ((1001,), 64, ("chat",), 7)
+    assert artifact_row(art, "p", "t", "1", True, seeds=(1002,)).seeds == (1002,)  # what the section passes wins

@@ -40,6 +40,9 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
 ]
 
 
+AXIS_OF = {"prefix caching": "position", "prefix replay": "position", "depth": "depth", "resolution": "resolution",
+           "across models": "across models"}  # the axis each section's targets count toward (the verdicts at the top)
+
 REPORT_KIND = "a kvstate report (an index.html written by kvstate report)"
 
 
@@ -82,6 +85,7 @@ def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[st
                 t0 = time.perf_counter()
                 section = builder(staging, models_dir)
                 section.seconds = round(time.perf_counter() - t0, 1)
+                section.axis = section.axis or AXIS_OF.get(name, "")
                 sections.append(section)
                 bar.advance()
         run["wall_seconds"] = round(time.perf_counter() - t_start, 1)

@@ -39,6 +39,7 @@ _PROBE = """(async () => {
   return JSON.stringify({
     title: document.title,
     height: Math.max(document.documentElement.scrollHeight, document.body.scrollHeight),
+    scroll_width: Math.max(document.documentElement.scrollWidth, document.body.scrollWidth),
     images: imgs.map(i => ({src: i.getAttribute('src'), width: i.naturalWidth, height: i.naturalHeight})),
     headline: Array.from(document.querySelectorAll('#headline-table tbody tr')).map(cells),
     missing_anchors: ids.filter(id => !document.getElementById(id)),
@@ -61,6 +62,7 @@ class PageCheck:
     headline: list[list[str]]  # cells of each row of the headline table
     missing_anchors: list[str]  # in-page links whose target id does not exist
     errors: list[str] = field(default_factory=list)  # console errors, uncaught exceptions, failed loads
+    scroll_width: int = 0  # page width in CSS pixels; above the window width the reader scrolls sideways
 
     @property
     def broken_images(self) -> list[str]:
@@ -196,4 +198,4 @@ def check_page(page: Path, width: int = 1400, height: int = 900, screenshot: Pat
                     proc.kill()
                     proc.wait()
     return PageCheck(data["title"], int(data["height"]), data["images"], data["headline"], data["missing_anchors"],
-                     errors)
+                     errors, int(data.get("scroll_width", 0)))

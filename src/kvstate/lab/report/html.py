@@ -51,7 +51,8 @@ from typing import Any
 from kvstate.errors import KVStateError
 from kvstate.io_safety import write_text_atomic
 
-SCHEMA_VERSION = 3  # summary.json layout: {schema_version, generator, run, headline, headline_counts, notes, sections}
+SCHEMA_VERSION = 4  # summary.json: {schema_version, generator, run, verdicts, headline, headline_counts, checks, notes,
+#                    sections}; each headline row carries seeds, n, tasks, excluded_tasks (timing: repeats, ci)
 GENERATOR = "kvstate report"  # marks a directory as a kvstate report (index.html meta tag, summary.json)
 COLLAPSE_ROWS = 15  # a compact table longer than this goes into the collapsed full-data block
 
@@ -74,6 +75,8 @@ class Figure:
 
 SOURCES = ("run", "artifact")
 STATUSES = ("met", "missed", "undecided", "stale", "missing")
+KINDS = ("result", "check")  # a check holds by construction (a cap, a constant): shown apart, never counted as met
+VERDICTS = ("works", "partly", "not yet")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,14 @@ class HeadlineRow:
     artifact: str | None = field(default=None, kw_only=True)  # result file (repository-relative)
     commit: str | None = field(default=None, kw_only=True)  # commit recorded in the file's provenance
     command: str | None = field(default=None, kw_only=True)  # the command that regenerates the file
+    seeds: tuple[int, ...] | None = field(default=None, kw_only=True)  # the seeds the value rests on
+    n: int | None = field(default=None, kw_only=True)  # items (texts, requests, repeats) per cell
+    tasks: tuple[str, ...] | None = field(default=None, kw_only=True)  # tasks pooled into the value
+    excluded_tasks: dict[str, float] | None = field(default=None, kw_only=True)  # unsolved by the reference: beside
+    repeats: int | None = field(default=None, kw_only=True)  # interleaved repeats (a timing row)
+    timing: bool = field(default=False, kw_only=True)  # a timing target: needs repeats (>= 5) and its spread (ci)
+    kind: str = field(default="result", kw_only=True)  # "result" | "check" (holds by construction)
+    because: str = field(default="", kw_only=True)  # a check: what it follows from
 
     def __post_init__(self) -> None:
         if self.met is not None:  # numpy.bool_ from a comparison of numpy numbers is not `True`
@@ -116,31 +127,79 @@ class HeadlineRow:
             object.__setattr__(self, "ci", (lo, hi))
         if self.rate and self.ci is None and status not in ("stale", "missing"):
             raise KVStateError(f"HeadlineRow {self.target!r}: a rate needs its interval (ci=(lo, hi))")
+        if self.kind not in KINDS:
+            raise KVStateError(f"HeadlineRow {self.target!r}: kind={self.kind!r}; one of {', '.join(KINDS)}")
+        if self.kind == "check" and not self.because:
+            raise KVStateError(f"HeadlineRow {self.target!r}: a check says what it holds by (because=...)")
+        for name in ("seeds", "tasks"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.timing and status not in ("stale", "missing"):
+            from kvstate.lab.stats import MIN_REPEATS
+
+            if self.repeats is None or self.repeats < MIN_REPEATS or self.ci is None:
+                raise KVStateError(f"HeadlineRow {self.target!r}: a timing row needs >= {MIN_REPEATS} interleaved "
+                                   f"repeats and their spread (repeats={self.repeats}, ci={self.ci})")
         if self.source == "artifact" and not (self.artifact and self.command):
             raise KVStateError(f"HeadlineRow {self.target!r}: an artifact row names its file and the command "
                                "that regenerates it (use artifact_row)")
 
 
 def run_row(technique: str, target: str, measured: str, met: bool | None = None, *, status: str = "",
-            ci: tuple[float, float] | None = None, rate: bool = False) -> HeadlineRow:
-    """A headline row measured by this report run."""
-    return HeadlineRow(technique, target, measured, met, source="run", status=status, ci=ci, rate=rate)
+            ci: tuple[float, float] | None = None, rate: bool = False, **about: Any) -> HeadlineRow:
+    """A headline row measured by this report run (``about``: seeds, n, tasks, excluded_tasks, repeats, timing)."""
+    return HeadlineRow(technique, target, measured, met, source="run", status=status, ci=ci, rate=rate, **about)
+
+
+def _from_provenance(art: Any, about: dict[str, Any]) -> dict[str, Any]:
+    """Seeds, n and tasks a row rests on, from the file's provenance where the section passed none."""
+    prov = art.provenance if art.run is not None else {}
+    out = dict(about)
+    if out.get("seeds") is None and isinstance(prov.get("seeds"), list):
+        out["seeds"] = tuple(int(x) for x in prov["seeds"])
+    if out.get("n") is None and isinstance(prov.get("n"), int):
+        out["n"] = prov["n"]
+    if out.get("tasks") is None and isinstance(prov.get("tasks"), list):
+        out["tasks"] = tuple(str(t) for t in prov["tasks"])
+    raw = prov.get("settings")
+    settings: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    if out.get("repeats") is None and out.get("timing") and isinstance(settings.get("repeats"), int):
+        out["repeats"] = settings["repeats"]
+    return out
 
 
 def artifact_row(art: Any, technique: str, target: str, measured: str, met: bool | None = None, *,
-                 status: str = "", ci: tuple[float, float] | None = None, rate: bool = False) -> HeadlineRow:
+                 status: str = "", ci: tuple[float, float] | None = None, rate: bool = False,
+                 **about: Any) -> HeadlineRow:
     """A headline row read from a committed result file (a :class:`kvstate.lab.provenance.Artifact`).
 
     A stale or missing file marks the row so, names why and the command that regenerates it: a stale
-    number is never shown as current.
+    number is never shown as current. ``about`` (seeds, n, tasks, excluded_tasks, repeats, timing, kind,
+    because) defaults to the file's provenance for seeds, n and tasks
+    (:func:`kvstate.lab.experiment.headline_fields` gives them from an experiment's decision).
     """
+    about = _from_provenance(art, about)
     if art.status != "current":
         note = f"{art.status}: {art.reason} — regenerate with `{art.command}`"
         shown = f"{measured} [{note}]" if art.status == "stale" and measured else note
         return HeadlineRow(technique, target, shown, None, source="artifact", status=art.status, ci=ci, rate=rate,
-                           artifact=art.path, commit=art.commit, command=art.command)
+                           artifact=art.path, commit=art.commit, command=art.command, **about)
     return HeadlineRow(technique, target, measured, met, source="artifact", status=status, ci=ci, rate=rate,
-                       artifact=art.path, commit=art.commit, command=art.command)
+                       artifact=art.path, commit=art.commit, command=art.command, **about)
+
+
+def check_row(technique: str, claim: str, holds: bool, because: str, measured: str = "", art: Any = None,
+              **about: Any) -> HeadlineRow:
+    """A property that holds by construction (a cap, a constant): verifies the code, is not a result.
+
+    Shown in the checks table apart from the targets and never counted as met
+    (:class:`kvstate.lab.stats.Check`); a failing check is a bug, shown as ``missed``.
+    """
+    shown = measured or ("holds" if holds else "fails")
+    if art is not None:
+        return artifact_row(art, technique, claim, shown, bool(holds), kind="check", because=because, **about)
+    return run_row(technique, claim, shown, bool(holds), kind="check", because=because, **about)
 
 
 @dataclass
@@ -157,6 +216,7 @@ class Section:
     paper: str = ""  # title of the paper the technique comes from
     details: list[Table] = field(default_factory=list)  # full long-format data, collapsed
     seconds: float | None = None  # wall time of the section's build (filled in by the report builder)
+    axis: str = ""  # the axis it belongs to, for the verdicts at the top (set by the report builder)
 
 
 def pct(x: float | None, digits: int = 1) -> str:
@@ -227,11 +287,13 @@ body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;max-width:1100px;
 h1{margin-bottom:.2em} h2{margin-top:2.2em;border-bottom:2px solid #ddd;padding-bottom:.2em}
 .paper{color:#555;margin-top:-.6em} .lede{font-size:110%} .intro,.note,figcaption,.settings{color:#555;font-size:90%}
 .conclusion{font-size:105%}
-table{border-collapse:collapse;margin:.8em 0;font-variant-numeric:tabular-nums}
+table{border-collapse:collapse;margin:.8em 0;font-variant-numeric:tabular-nums;max-width:100%}
+td,th{overflow-wrap:anywhere} table.headline td.source{font-size:85%;max-width:16em}
+ul.verdicts{font-size:105%;padding-left:1.2em} ul.verdicts li{margin:.25em 0}
 caption{text-align:left;font-weight:600;padding:.3em 0}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} th{background:#f3f3f3}
 td:first-child,th:first-child{text-align:left}
-table.headline td,table.headline th{text-align:left} table.headline td:first-child{white-space:nowrap}
+table.headline td,table.headline th{text-align:left}
 .met{color:#1a7f37;font-weight:700} .stale{color:#6a1b9a;font-weight:700} .missed{color:#c62828;font-weight:700} .open{color:#8a6d00;font-weight:700}
 figure{margin:1em 0} img{max-width:100%;height:auto} details{margin:1em 0} summary{cursor:pointer;color:#0b57d0}
 nav ol{columns:2} a{color:#0b57d0} div.tables{display:flex;flex-wrap:wrap;gap:0 2.5em;align-items:flex-start}
@@ -240,10 +302,82 @@ div.tables p.note{flex-basis:100%;margin-top:-.6em}
 
 
 def headline_counts(rows: Sequence[HeadlineRow]) -> dict[str, int]:
-    """How many rows have each status, and how many were measured by this run (``live``)."""
-    out = {s: sum(r.status == s for r in rows) for s in STATUSES}
-    out["live"] = sum(r.source == "run" for r in rows)
+    """How many result rows have each status and were measured by this run (``live``); checks counted apart."""
+    results = [r for r in rows if r.kind == "result"]
+    out = {s: sum(r.status == s for r in results) for s in STATUSES}
+    out["live"] = sum(r.source == "run" for r in results)
+    checks = [r for r in rows if r.kind == "check"]
+    out["checks"] = len(checks)
+    out["checks_failing"] = sum(r.status == "missed" for r in checks)
     return out
+
+
+def _best(rows: Sequence[HeadlineRow]) -> HeadlineRow | None:
+    """The row a verdict quotes: a met row with an interval, else any met row, else the first decided one."""
+    picks: list[Callable[[HeadlineRow], bool]] = [
+        lambda r: r.status == "met" and r.ci is not None, lambda r: r.status == "met",
+        lambda r: r.status in ("missed", "undecided") and r.ci is not None,
+        lambda r: r.status in ("missed", "undecided"), lambda r: True]
+    for pick in picks:
+        for r in rows:
+            if pick(r):
+                return r
+    return None
+
+
+def verdicts(sections: Sequence[Section]) -> list[dict[str, Any]]:
+    """One verdict per axis from its result rows: ``works`` (every target met), ``partly`` (some met),
+    ``not yet`` (none met), with the number it rests on (:func:`_best`) and the counts."""
+    axes: dict[str, list[tuple[Section, HeadlineRow]]] = {}
+    for s in sections:
+        if s.axis:
+            axes.setdefault(s.axis, []).extend((s, r) for r in s.headline if r.kind == "result")
+    out = []
+    for axis, pairs in axes.items():
+        rows = [r for _, r in pairs]
+        c = headline_counts(rows)
+        decided = len(rows)
+        verdict = "works" if decided and c["met"] == decided else "partly" if c["met"] else "not yet"
+        best = _best(rows)
+        key = next((s.key for s, r in pairs if r is best), "")
+        out.append({"axis": axis, "verdict": verdict, "met": c["met"], "targets": decided, "missed": c["missed"],
+                    "undecided": c["undecided"], "stale_or_missing": c["stale"] + c["missing"], "section": key,
+                    "best": None if best is None else {"target": best.target, "measured": best.measured,
+                                                       "ci": best.ci, "status": best.status}})
+    return out
+
+
+def _verdicts(sections: Sequence[Section]) -> str:
+    items = verdicts(sections)
+    if not items:
+        return ""
+    out = ["<ul class='verdicts' id='verdicts'>"]
+    for v in items:
+        cls = {"works": "met", "partly": "open", "not yet": "missed"}[v["verdict"]]
+        b = v["best"]
+        ci = "" if b is None or b["ci"] is None else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
+        best = "" if b is None else f" — {_e(b['target'])}: {_e(b['measured'])}{_e(ci)} ({_e(b['status'])})"
+        stale = f", {v['stale_or_missing']} stale or missing" if v["stale_or_missing"] else ""
+        out.append(f"<li><a href='#{_e(v['section'])}'><strong>{_e(v['axis'])}</strong></a>: "
+                   f"<span class='{cls}'>{_e(v['verdict'])}</span> ({v['met']} of {v['targets']} targets met"
+                   f"{stale}){best}</li>")
+    out.append("</ul>")
+    return "\n".join(out)
+
+
+def _checks(sections: Sequence[Section]) -> str:
+    rows = [(s, r) for s in sections for r in s.headline if r.kind == "check"]
+    if not rows:
+        return ""
+    out = ["<table class='headline' id='checks-table'><caption>Checks: properties that hold by construction (they "
+           "verify the code; not results, not counted as met)</caption><thead><tr><th>technique</th><th>claim</th>"
+           "<th>measured</th><th>holds because</th><th>holds</th></tr></thead><tbody>"]
+    for s, r in rows:
+        holds = "<span class='met'>holds</span>" if r.status == "met" else _status(r.status)
+        out.append(f"<tr data-status='{_e(r.status)}'><td><a href='#{_e(s.key)}'>{_e(r.technique)}</a></td>"
+                   f"<td>{_e(r.target)}</td><td>{_e(r.measured)}</td><td>{_e(r.because)}</td><td>{holds}</td></tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
 
 
 def headline_lede(rows: Sequence[HeadlineRow]) -> str:
@@ -254,7 +388,7 @@ def headline_lede(rows: Sequence[HeadlineRow]) -> str:
 
 
 def _headline(sections: list[Section]) -> str:
-    rows = [(s, r) for s in sections for r in s.headline]
+    rows = [(s, r) for s in sections for r in s.headline if r.kind == "result"]
     if not rows:
         return "<p class='lede'>No section measured a target in this run.</p>"
     out = [f"<p class='lede' id='headline-lede'><strong>{_e(headline_lede([r for _, r in rows]))}</strong>.</p>",
@@ -326,8 +460,11 @@ def render(sections: list[Section], title: str = "kvstate report", run: dict[str
         f"<meta name='generator' content='{GENERATOR}'>",
         f"<title>{_e(title)}</title><style>{_STYLE}</style></head><body>",
         f"<h1>{_e(title)}</h1>",
-        "<section id='headline'><h2>Headline: targets, live and recorded</h2>",
+        "<section id='headline'><h2>Verdict per axis</h2>",
+        _verdicts(sections),
+        "<h2>Targets, live and recorded</h2>",
         _headline(sections),
+        _checks(sections),
         _settings(run or {}, sections),
         "</section>",
         f"<nav id='contents'><h2>Contents</h2><ol>{toc}</ol></nav>",
@@ -344,11 +481,20 @@ def summary_json(sections: list[Section], run: dict[str, Any] | None = None) -> 
         "generator": GENERATOR,
         "run": {**(run or {}), "sections": [{"key": s.key, "title": s.title, "paper": s.paper,
                                               "seconds": s.seconds} for s in sections]},
-        "headline": [{"section": s.key, **asdict(r)} for s in sections for r in s.headline],
+        "verdicts": verdicts(sections),
+        "headline": [_row_json(s, r) for s in sections for r in s.headline if r.kind == "result"],
         "headline_counts": headline_counts([r for s in sections for r in s.headline]),
+        "checks": [_row_json(s, r) for s in sections for r in s.headline if r.kind == "check"],
         "notes": {s.key: s.notes for s in sections if s.notes},
         "sections": {s.key: s.summary for s in sections},
     }
+
+
+def _row_json(s: Section, r: HeadlineRow) -> dict[str, Any]:
+    d = {"section": s.key, **asdict(r)}
+    if not r.timing:
+        d.pop("repeats")
+    return d
 
 
 def write_report(out_dir: Path, sections: list[Section], run: dict[str, Any] | None = None,
