@@ -4,7 +4,8 @@ A typer sub-app registered by ``cli.py``. ``train`` wraps :func:`kvstate.lab.dep
 (runs under ``torchrun`` with DDP over gloo when started that way); ``init-kv1`` wraps
 :func:`kvstate.lab.depth.kv1.init_kv1` (the equal-KV dense baseline's start); ``eval`` wraps
 :func:`kvstate.lab.depth.evaluate.evaluate_sharing`; ``decode`` wraps
-:func:`kvstate.lab.depth.deploy.decode_benchmark` (decode speed and resident KV through ``generate``). torch and transformers load inside the commands.
+:func:`kvstate.lab.depth.deploy.decode_benchmark` (decode speed and resident KV through ``generate``); ``pilot``
+wraps :func:`kvstate.lab.depth.pilot.score_checkpoint` (dev-seed pilots over the declared pattern family). torch and transformers load inside the commands.
 """
 
 from __future__ import annotations
@@ -203,6 +204,55 @@ def diagnose_command(
             table.add_row(Path(res["model"]).name, which, r["pattern"], *cells)
     table_console(False).print(table)
     write_results(out, result, rec.finish(), overwrite=overwrite)
+
+
+PILOT_CODE = ("depth", "models", "lab/depth/pilot.py", "lab/harness.py", "lab/workloads/tasks.py")
+
+
+@app.command("pilot")
+def pilot_command(
+    ckpts: Annotated[list[Path], typer.Option(
+        "--ckpt", help="Checkpoints of pilot runs (repeat --ckpt; a model without a depth entry scores every pattern).")],
+    out: Annotated[Path, typer.Option(
+        "--out", help="Result file (appended; never under models/), e.g. docs/results/depth_pilots.json.")],
+    n: Annotated[int, typer.Option("--n", min=1, help="Examples per task (niah_single, niah_multikey at 1K).")] = 25,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="A dev seed (< 1000).")] = 7,
+    keep: Annotated[float, typer.Option("--keep", help="Kept cache fraction whose family patterns are scored.")] = 0.5,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+) -> None:
+    """Dev-seed pilot evaluation: every pattern of each checkpoint's declared family at --keep; mean and worst."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rich.table import Table
+
+    from kvstate.errors import KVStateError
+    from kvstate.lab.cli_output import check_results_out, table_console, write_results
+    from kvstate.lab.depth.diagnose import check_dev_seed, check_out
+    from kvstate.lab.depth.pilot import PILOT_LENGTHS, PILOT_TASKS, score_checkpoint
+    from kvstate.lab.harness import MAX_EXAMPLES
+    from kvstate.lab.provenance import Recorder
+
+    check_dev_seed(seed)
+    check_out(out)
+    if not 1 <= n <= MAX_EXAMPLES:
+        raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task)")
+    if not 0 < keep <= 1:
+        raise KVStateError(f"--keep {keep!r} must be a kept fraction in (0, 1], e.g. 0.5")
+    missing = [str(c) for c in ckpts if not c.is_dir()]
+    if missing:
+        raise KVStateError(f"--ckpt {missing[0]!r} is not a directory; pass a pilot checkpoint (a model directory)")
+    check_results_out(out, overwrite=overwrite)
+    rec = Recorder(code=PILOT_CODE, models=list(ckpts), n=n, seeds=[seed], tasks=PILOT_TASKS, lengths=PILOT_LENGTHS,
+                   settings={"keep": keep, "score": "teacher-forced exact match over the declared family"})
+    rows = [score_checkpoint(c, n=n, seed=seed, keep=keep) for c in ckpts]
+    table = Table(title=f"pilots: keep {keep:g}, every declared pattern, n={n} per task, dev seed {seed}, 1K tokens")
+    for col in ("checkpoint", "tokens", "patterns", "mean", "worst", "worst pattern", "mean 1st tok", "worst 1st tok"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["ckpt"], f"{r['tokens']:,}", str(len(r["patterns"])), f"{r['mean']:.3f}", f"{r['worst']:.3f}",
+                      r["worst_pattern"], f"{r['mean_first_token']:.3f}", f"{r['worst_first_token']:.3f}")
+    table_console(False).print(table)
+    write_results(out, {"n": n, "seed": seed, "keep": keep, "tasks": list(PILOT_TASKS), "lengths": list(PILOT_LENGTHS),
+                        "rows": rows}, rec.finish(), overwrite=overwrite)
 
 
 DECODE_CODE = ("depth", "models", "lab/depth/deploy.py")
