@@ -48,23 +48,31 @@ def run_family(depth: dict[str, Any] | None, layers: Sequence[Any], keep: float)
     return [p for p in family if abs(kept_fraction(p, layers) - keep) < 1e-9], how
 
 
-def teacher_forced(model: Any, tokenizer: Any, examples: Sequence[Any]) -> list[dict[str, float]]:
-    """Per example, from one full forward over ``<bos> prompt target`` (the model's current sharing applies):
-    ``exact`` 1.0 when every token of ``<target> .`` is the argmax, ``first`` 1.0 when the first one is, and
-    ``nll`` the target's mean negative log-likelihood per token (a continuous signal while exact is still 0)."""
+def teacher_forced_ids(model: Any, prompt: Sequence[int], target: Sequence[int]) -> dict[str, Any]:
+    """One full forward over ``prompt + target[:-1]`` (the model's current sharing applies): ``pred`` (the argmax at
+    each target position), ``exact`` (1.0 when ``pred == target``), ``first`` (1.0 when the first token is right)
+    and ``nll`` (the target's mean negative log-likelihood per token)."""
     import torch
 
-    out = []
     with torch.inference_mode():
-        for ex in examples:
-            prompt = tokenizer(ex.prompt)["input_ids"]  # with <bos>, as greedy_answer tokenizes it
-            target = tokenizer(ex.target, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([prompt + target[:-1]])
-            logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False,
-                           logits_to_keep=len(target)).logits[0].float()  # the target's positions: the head dominates
-            pred = logits.argmax(-1).tolist()
-            nll = float(torch.nn.functional.cross_entropy(logits, torch.tensor(target)))
-            out.append({"exact": float(pred == target), "first": float(pred[0] == target[0]), "nll": round(nll, 4)})
+        ids = torch.tensor([[*prompt, *target[:-1]]])
+        logits = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False,
+                       logits_to_keep=len(target)).logits[0].float()  # the target's positions: the head dominates
+        pred = logits.argmax(-1).tolist()
+        nll = float(torch.nn.functional.cross_entropy(logits, torch.tensor(list(target))))
+    return {"pred": pred, "exact": float(pred == list(target)), "first": float(pred[0] == target[0]),
+            "nll": round(nll, 4)}
+
+
+def teacher_forced(model: Any, tokenizer: Any, examples: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per example, :func:`teacher_forced_ids` over ``<bos> prompt`` and ``<target> .`` (tokenized as greedy
+    decoding meets them): ``exact``, ``first`` and ``nll`` (a continuous signal while exact is still 0)."""
+    out = []
+    for ex in examples:
+        prompt = tokenizer(ex.prompt)["input_ids"]  # with <bos>, as greedy_answer tokenizes it
+        target = tokenizer(ex.target, add_special_tokens=False)["input_ids"]
+        res = teacher_forced_ids(model, prompt, target)
+        out.append({k: res[k] for k in ("exact", "first", "nll")})
     return out
 
 
@@ -127,4 +135,5 @@ def score_checkpoint(ckpt: str | Path, *, n: int, seed: int, keep: float = PILOT
             "worst_answer_nll": max(p["answer_nll"] for p in patterns.values())}
 
 
-__all__ = ["PILOT_KEEP", "PILOT_LENGTHS", "PILOT_TASKS", "run_family", "score_checkpoint", "teacher_forced", "teacher_forced_exact"]
+__all__ = ["PILOT_KEEP", "PILOT_LENGTHS", "PILOT_TASKS", "run_family", "score_checkpoint", "teacher_forced", "teacher_forced_exact",
+           "teacher_forced_ids"]
