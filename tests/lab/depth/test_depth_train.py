@@ -111,7 +111,10 @@ def test_evaluate_sharing_shape_and_measured_bytes(start):
     assert [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
     for r in res["results"]:
         assert set(r) == {"keep", "pattern", "ppl", "ppl_ci", "score", "score_ci", "kv_bytes_per_token",
-                          "peak_bytes", "decode_tok_s", "items", "text_nll"}
+                          "peak_bytes", "decode_tok_s", "items", "text_nll", "family", "family_patterns", "mean_score",
+                          "worst_score", "worst_score_ci", "worst_pattern"}
+        assert r["family"] == "undeclared" and list(r["family_patterns"]) == [r["pattern"]]
+        assert r["worst_score"] == r["score"] == r["mean_score"] and r["worst_pattern"] == r["pattern"]
         assert r["kv_bytes_per_token"] == r["keep"] * 4 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head_dim x fp32
         assert r["ppl_ci"][0] <= r["ppl"] <= r["ppl_ci"][1] and r["score_ci"][0] <= r["score"] <= r["score_ci"][1]
         assert len(r["items"]) == 1 and r["peak_bytes"] > 0

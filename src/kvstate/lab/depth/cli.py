@@ -103,7 +103,7 @@ def routing_text(depth: dict) -> str:
 
 PATTERN_KINDS = ("keep", "cla", "top_shared")  # kvstate.depth.patterns.for_keep's families
 # the source a depth evaluation depends on: a change here makes committed depth_eval.json files stale
-EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
+EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
              "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
 
 
@@ -118,8 +118,11 @@ def eval_command(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Append this run, with its provenance, to a result file (e.g. DIR/depth_eval.json).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+    post_hoc: Annotated[bool, typer.Option(
+        "--post-hoc", help="Measure patterns outside the model's declared family (sharing it was not trained for).")] = False,
 ) -> None:
-    """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns."""
+    """Score, perplexity, KV bytes per token and decode speed of a model under sharing patterns; at each keep every
+    pattern of the model's declared family is scored (mean and worst)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.table import Table
 
@@ -139,15 +142,19 @@ def eval_command(
     if out is not None:
         check_results_out(out, overwrite=overwrite)
     check_lengths_fit(load_config(model), SCORE_LENGTHS)  # the config alone: before reading the weights
+    check_deployable(model, fractions, pattern_kind, post_hoc=post_hoc)
     rec = Recorder(code=EVAL_CODE, models=[model], n=n, seeds=[seed], tasks=SCORE_TASKS, lengths=SCORE_LENGTHS,
-                   settings={"keep": fractions, "pattern_kind": pattern_kind})
-    result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True)
+                   settings={"keep": fractions, "pattern_kind": pattern_kind, "post_hoc": post_hoc})
+    result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True, post_hoc=post_hoc)
     table = Table(title=f"{model} — {pattern_kind} patterns, n={n}, seed={seed}")
-    for col in ("keep", "pattern", "ppl", "score", "KV B/token", "decode tok/s"):
+    for col in ("keep", "pattern", "ppl", "score", "family", "mean", "worst", "worst pattern", "KV B/token",
+                "decode tok/s"):
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
-                      f"{r['kv_bytes_per_token']:,}", f"{r['decode_tok_s']:.1f}")
+                      f"{r['family']} ({len(r['family_patterns'])})", f"{r['mean_score']:.3f}",
+                      f"{r['worst_score']:.3f}", r["worst_pattern"], f"{r['kv_bytes_per_token']:,}",
+                      f"{r['decode_tok_s']:.1f}")
     table_console(as_json).print(table)
     prov = rec.finish()
     if out is not None:
@@ -255,7 +262,21 @@ def pilot_command(
                         "rows": rows}, rec.finish(), overwrite=overwrite)
 
 
-DECODE_CODE = ("depth", "models", "lab/depth/deploy.py")
+DECODE_CODE = ("depth", "models", "lab/depth/deploy.py", "lab/depth/evaluate.py", "lab/depth/pilot.py")
+
+
+def check_deployable(model: Path, fractions: list[float], kind: str = "keep", *, post_hoc: bool) -> None:
+    """Each keep's pattern is in the model's declared family (the config and training state only: before the
+    weights load); :class:`PatternError` naming the layer it breaks otherwise."""
+    from kvstate.depth.attention import layer_specs
+    from kvstate.lab.depth.evaluate import family_plan
+    from kvstate.lab.training.io import STATE_FILE, read_state
+    from kvstate.models.loading import load_config
+
+    depth = read_state(model / STATE_FILE).get("depth") if (model / STATE_FILE).is_file() else None
+    layers = layer_specs(load_config(model))
+    for keep in fractions:
+        family_plan(depth, layers, keep, kind, post_hoc=post_hoc)
 
 
 @app.command("decode")
@@ -270,6 +291,8 @@ def decode_command(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Append this run, with its provenance, to a result file (e.g. DIR/depth_decode.json).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+    post_hoc: Annotated[bool, typer.Option(
+        "--post-hoc", help="Allow patterns outside the model's declared family (sharing it was not trained for).")] = False,
 ) -> None:
     """Decode tokens/s and resident KV bytes through model.generate under each sharing pattern, beside keep 1."""
     from rich.table import Table
@@ -284,6 +307,7 @@ def decode_command(
     (ctx,) = parse_ints(context, "--context", lo=1, example="2K")
     if out is not None:
         check_results_out(out, overwrite=overwrite)
+    check_deployable(model, fractions, post_hoc=post_hoc)
     rec = Recorder(code=DECODE_CODE, models=[model], seeds=[seed], lengths=[ctx],
                    settings={"keep": fractions, "new_tokens": new_tokens, "repeats": repeats})
     net, _ = load_reference(model)

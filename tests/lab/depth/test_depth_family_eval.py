@@ -1,0 +1,74 @@
+"""kvstate depth eval over the declared pattern family: every pattern at a keep scored, the mean and the worst;
+a pattern outside the family refused at eval and deployment with the layer it breaks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from kvstate.depth.patterns import LayerSpec, PatternError, format_pattern
+from kvstate.lab.depth import evaluate
+from kvstate.lab.depth.evaluate import evaluate_sharing, family_plan
+
+F = LayerSpec("full_attention", 2, 16)
+LAYERS = [F] * 4
+
+
+def test_worst_pattern_on_a_constructed_eval(start, monkeypatch):
+    # pattern -> per-item scores: 0_1_0_0 is the worst (0 of 4), 0_0_2_0 next (1 of 4), the rest solve every item
+    constructed = {"0_1_0_0": [0, 0, 0, 0], "0_0_2_0": [1, 0, 0, 0]}
+
+    def fake_score(model, tokenizer, pattern, tasks, lengths, n, seed, progress):
+        items = constructed.get(format_pattern(pattern), [1, 1, 1, 1])
+        return SimpleNamespace(examples=[SimpleNamespace(score=v, cache_bytes=64, n_tokens=8, decode_s=0.1,
+                                                         new_tokens=2) for v in items])
+
+    monkeypatch.setattr(evaluate, "_score", fake_score)
+    res = evaluate_sharing(start, [1, 0.5], n=1, seed=0, ppl_length=128, ppl_texts=2, depth={"p": 0.5, "p_layer": None})
+    full, half = res["results"]
+    assert full["family"] == "declared" and list(full["family_patterns"]) == ["0_1_2_3"] and full["worst_score"] == 1.0
+    assert half["pattern"] == "0_0_2_2" and next(iter(half["family_patterns"])) == "0_0_2_2"
+    assert sorted(half["family_patterns"]) == ["0_0_0_3", "0_0_2_0", "0_0_2_2", "0_1_0_0", "0_1_0_1", "0_1_1_0",
+                                              "0_1_1_1"]
+    assert half["worst_pattern"] == "0_1_0_0" and half["worst_score"] == 0.0 and half["score"] == 1.0
+    assert half["worst_score_ci"][0] == 0.0 < half["worst_score_ci"][1]  # an interval with width at 0 of 4
+    assert abs(half["mean_score"] - (5 + 0.25) / 7) < 1e-3
+    assert half["family_patterns"]["0_0_2_0"]["items"] == [1.0, 0.0, 0.0, 0.0]
+    json.dumps(res)
+
+
+def test_family_plan_refuses_patterns_outside_the_family():
+    p_layer = {"p": None, "p_layer": [1, 0.5, 1, 0.5]}
+    head, pats, how = family_plan(p_layer, LAYERS, 0.5)
+    assert how == "declared" and format_pattern(head) == "0_0_2_2" and [format_pattern(p) for p in pats] == [
+        "0_0_2_2", "0_0_2_0"]
+    with pytest.raises(PatternError, match=r"layer 2 was trained at p = 1 .* or pass --post-hoc"):
+        family_plan(p_layer, LAYERS, 0.25)  # keep 0.25 is 0_0_0_0: layer 2 would read layer 0
+    with pytest.raises(PatternError, match="layer 1 reads layer 1 but the model was trained on the fixed pattern "
+                                           "'0_0_2_2' only"):
+        family_plan({"pattern": "0_0_2_2"}, LAYERS, 1.0)
+    head, pats, how = family_plan({"pattern": "0_0_2_2"}, LAYERS, 1.0, post_hoc=True)
+    assert how == "post hoc" and pats == [head]
+    assert family_plan(None, LAYERS, 0.25)[2] == "undeclared"
+    assert family_plan({"p": 1.0, "p_layer": None}, LAYERS, 0.5, post_hoc=True)[2] == "post hoc"  # the control
+
+
+@pytest.mark.parametrize("command", ["eval", "decode"])
+def test_cli_refuses_an_out_of_family_pattern_in_one_line(start, tmp_path, capsys, command):
+    from kvstate.cli import main
+    from kvstate.integrity import MANIFEST
+
+    model = tmp_path / "fixed"
+    shutil.copytree(start, model)
+    (model / MANIFEST).unlink(missing_ok=True)
+    state = json.loads((model / "training_state.json").read_text())
+    state["depth"] = {"pattern": "0_0_2_2", "p": None}
+    (model / "training_state.json").write_text(json.dumps(state))
+    with pytest.raises(SystemExit) as exc:
+        main(["depth", command, "--model", str(model), "--keep", "0.5,1"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1, err
+    assert "layer 1 reads layer 1 but the model was trained on the fixed pattern '0_0_2_2'" in err
