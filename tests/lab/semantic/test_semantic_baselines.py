@@ -13,8 +13,8 @@ import torch
 from kvstate.lab.semantic.baselines_kvpress import KVPressEnvError, ensure_env, run_presses
 from kvstate.lab.semantic.bench import run_method
 from kvstate.lab.semantic.protocol import build_items
-from kvstate.lab.semantic.quest import PageStore, QuestCache
-from kvstate.lab.semantic.window import WindowCache
+from kvstate.lab.semantic.methods.quest import PageStore, QuestCache
+from kvstate.lab.semantic.methods.window import WindowCache
 from kvstate.lab.workloads import build_tokenizer
 from kvstate.models import tiny_model
 from kvstate.semantic import SegmentConfig, SemanticConfig, semantic_attention
@@ -149,7 +149,7 @@ def test_real_kvpress_evicting_presses_report_kept_bytes(tmp_path):
 
 
 def test_sentence_segmentation_packs_whole_sentences_into_spans():
-    from kvstate.lab.semantic.bench import sentence_segmentation
+    from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
 
     tok = build_tokenizer()
     ids = build_items(tok, "niah_single", 400, 1, 0)[0].context

@@ -144,16 +144,13 @@ def _written_out(method, model, tok, items, budget, seg):
     from transformers import DynamicCache
 
     from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
-    from kvstate.lab.semantic.bench import (
-        _answer,
-        _outcome,
-        method_config,
-        score_prediction,
-        sentence_segmentation,
-    )
+    from kvstate.lab.semantic import methods
+    from kvstate.lab.semantic.bench import _answer, _outcome, score_prediction
+    from kvstate.lab.semantic.methods.kivi import KiviCache
+    from kvstate.lab.semantic.methods.quest import QuestCache
+    from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
+    from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL
-    from kvstate.lab.semantic.quest import QuestCache
-    from kvstate.lab.semantic.window import WindowCache
     from kvstate.semantic import SemanticCache, semantic_attention, surprisal
 
     out = []
@@ -164,8 +161,9 @@ def _written_out(method, model, tok, items, budget, seg):
             if method == "full":
                 cache = DynamicCache(config=model.config)
             else:
-                cfg = method_config(method, budget, seg, 0.3, 0.6)
-                kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
+                cfg = methods.get(method).config(budget, methods.Context(None, seg, 0.3, 0.6))
+                kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache,
+                        "kivi": KiviCache}.get(method, SemanticCache)
                 cache = kind(model, None, cfg)
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache).logits
             if method.startswith("sekv"):
@@ -194,23 +192,25 @@ def test_shared_prefill_and_forks_equal_the_protocol_written_out(model_dir):
     """One prefill per item, forks per question and one compression for sekv / sekv_fresh change no result."""
     import dataclasses
 
-    from kvstate.lab.semantic.bench import IN_PROCESS, run_methods
+    from kvstate.lab.semantic.bench import run_methods
+    from kvstate.lab.semantic.methods import METHODS
     from kvstate.lab.semantic.protocol import PPL
 
     _, model, tok = model_dir
     items = build_items(tok, MULTI_Q, 128, 1, 0)
     items += [dataclasses.replace(it, questions=[it.questions[0][:8]]) for it in build_items(tok, PPL, 96, 1, 0)]
     seg = SegmentConfig(sinks=2, recent=8, max_span=8)
-    runs = [("full", 1.0)] + [(m, b) for m in IN_PROCESS if m != "full" for b in (0.7, 0.02)]
+    in_process = tuple(METHODS)
+    runs = [("full", 1.0)] + [(m, b) for m in in_process if m != "full" for b in (0.7, 0.02)]
     got, not_run = run_methods(runs, model, tok, items, None, seg, expand_share=0.3, slow_budget=0.6)
     failed = {(e["method"], e["budget"]) for e in not_run}  # below the minimum; the window alone keeps 3 tokens
-    assert failed == {(m, 0.02) for m in IN_PROCESS if m not in ("full", "window")}
+    assert failed == {(m, 0.02) for m in in_process if m not in ("full", "window")}
     assert all("budget" in e["reason"] for e in not_run)
     ref = [o for m, b in runs if (m, b) not in failed for o in _written_out(m, model, tok, items, b, seg)]
     drop = ("decode_s",)  # wall time
     rows = [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in got]
     assert rows == [{k: v for k, v in dataclasses.asdict(o).items() if k not in drop} for o in ref]
-    assert {o.method for o in got} == set(IN_PROCESS) and any(o.expanded for o in got if o.method == "sekv")
+    assert {o.method for o in got} == set(in_process) and any(o.expanded for o in got if o.method == "sekv")
 
 
 def test_snake_names():

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import BudgetError
-from kvstate.lab.semantic.quest import QuestCache
+from kvstate.lab.semantic.methods.quest import QuestCache
 from kvstate.models import tiny_model
 from kvstate.semantic import SegmentConfig, SemanticConfig, semantic_attention
 
@@ -51,7 +51,7 @@ def test_budget_too_small_names_minimum():
 
 
 def test_pages_are_ranked_by_the_last_fed_token_by_default_or_by_every_token():
-    from kvstate.lab.semantic.quest import PageStore
+    from kvstate.lab.semantic.methods.quest import PageStore
 
     d, page = 4, 2
     keys = torch.zeros(1, 8, d)  # (H=1, M=8, D): page p's keys point along axis p (4 pages)

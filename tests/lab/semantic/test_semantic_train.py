@@ -95,9 +95,12 @@ def test_report_section_reads_results(tmp_path):
     best = by["8:1, 2048 tokens: SEKV >= the best other method at equal attended bytes + 5 points"]
     assert best.measured.startswith("+50.0 points vs quest") and best.status == "met" and best.ci[0] > 0.05
     assert by["4:1, 2048 tokens: SEKV >= 95% of the full cache"].measured == "1.000 / 1.000 = 1.00"
-    assert by["SEKV reads <= budget x full KV at every forward pass, every item"].met
-    assert by["8:1: SEKV total bytes (fast + compressed slow) <= 0.5 x full"].measured == "0.400 x full"
-    assert by["SEKV slow tier <= its budget"].met and by["decode <= 1.5x the full cache's ms / token at 2048 (this CPU)"].met
+    checks = ("SEKV reads <= budget x full KV at every forward pass, every item",
+              "8:1: SEKV total bytes (fast + compressed slow) <= 0.5 x full", "SEKV slow tier <= its budget")
+    assert all(by[c].met and by[c].kind == "check" for c in checks)  # by construction: checks, not results
+    assert by[checks[1]].measured == "0.400 x full"
+    decode = by["decode <= 1.5x the full cache's ms / token at 2048 (this CPU)"]
+    assert decode.status == "undecided" and decode.kind != "check"  # one pass, no repeats: cannot decide
     hyb = by["hybrid 4:1, 2048 tokens: SEKV >= window only + 5 points"]
     assert hyb.measured.startswith("+100.0 points") and hyb.status == "met"
     assert (tmp_path / "semantic_acc_vs_attended.png").is_file() and (tmp_path / "semantic_acc_vs_total.png").is_file()

@@ -5,7 +5,8 @@ so it never enters this process: :func:`ensure_env` creates ``.venv-kvpress`` (`
 torch==2.13.0 kvpress==0.5.5``, which resolves transformers 5.2.0 and loads the committed reference
 models unchanged), :func:`run_presses` writes the items to JSONL, runs
 ``kvstate/lab/semantic/kvpress_runner.py`` with that interpreter on the same model directory and reads its
-JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows, with the byte counts the runner measured
+JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows (the registry's ``kvpress`` adapter,
+:mod:`kvstate.lab.semantic.methods.kvpress`, is the one caller), with the byte counts the runner measured
 in its own process. A press that could not run — one that needs files from a model hub (RestoreKV,
 QFilter, KVzap, DuoAttention, FastKVzip, LUKV), one kvpress lacks, one that raised, or every press when
 the environment cannot be created — is recorded as *not run* with the reason (:func:`not_run`), never
@@ -24,7 +25,6 @@ from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.lab.journal import Journal
-from kvstate.lab.semantic.bench import Outcome, score_prediction
 from kvstate.lab.semantic.protocol import Item, items_to_rows, read_jsonl, write_jsonl
 
 DEFAULT_PRESSES = ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress", "KnormPress")
@@ -88,13 +88,16 @@ def _runner(python: Path, model_dir: Path, items: Sequence[Item], presses: Seque
 
 def run_presses(python: Path, model_dir: Path, items: Sequence[Item], presses: Sequence[str],
                 budgets: Sequence[float], workdir: Path, threads: int = 1, journal: Journal | None = None,
-                progress: Callable[[int], None] | None = None) -> tuple[list[Outcome], list[dict]]:
+                progress: Callable[[int], None] | None = None) -> tuple[list[Any], list[dict]]:
     """Run ``presses`` at ``compression_ratio = 1 - budget``; returns outcomes and "not run" entries (one per
     press and budget that raised for any item, with the first reason).
 
     Items go to the runner :data:`CHUNK` at a time; with a ``journal`` each chunk's rows are recorded and a
     chunk already there is read back instead of run again. ``progress(k)`` after each chunk of ``k`` items.
     """
+    # imported here: the bench reaches the presses through the registry, which imports this module
+    from kvstate.lab.semantic.bench import Outcome, score_prediction
+
     rows: list[dict[str, Any]] = []
     for c in range(0, len(items), CHUNK):
         part = list(items[c:c + CHUNK])

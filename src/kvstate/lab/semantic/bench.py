@@ -6,41 +6,27 @@ compressed cache and its answer decoded greedily (:func:`kvstate.lab.decode.gree
 scored with RULER's metric (``niah_4q``: four questions on one compressed cache). The budget caps what a
 method keeps on the device *and* reads per forward pass: ``budget`` x the full KV of the tokens seen
 (kvpress: ``compression_ratio = 1 - budget``). Every outcome carries the four byte counts measured from
-the tensors (:class:`kvstate.semantic.accounting.ByteCounts`). In-process methods:
+the tensors (:class:`kvstate.semantic.accounting.ByteCounts`).
 
-- ``full``: ``DynamicCache``;
-- ``sekv``: :class:`SemanticCache` with the router (trained one if given), the budgeted sticky working
-  set, spans ranked by their key bounds; ``sekv_fresh``: the same deciding afresh at every call (no working
-  set); ``sekv_raw``: the slow tier kept raw (rank = full) — the ablation that measures what low rank buys;
-  ``sekv_learned``: the paper's learned routing instead of the bounds (the routing ablation). Their
-  memory cap, slow tier and bits come from :class:`SekvOptions`;
-- ``sentencekv``: a SentenceKV-like sentence-level retrieval, labelled as such — sentences (cut after
-  ``.``) are spans whose mean keys stay on the device; the raw sentence K/V is offloaded and the
-  sentences whose mean key scores highest against the query are read back within the budget
-  (``zoom="similarity"``, ``slow="raw"``);
-- ``quest``: a Quest-like query-aware page selection (:mod:`kvstate.lab.semantic.quest`);
-- ``streaming``: StreamingLLM-like sinks + rolling window; ``window``: the window only
-  (:mod:`kvstate.lab.semantic.window`).
+The methods are registered objects, one module each (:mod:`kvstate.lab.semantic.methods`): this loop knows
+none by name. It asks the registry for a method, lets it build its compressed cache from the item's one
+prefill (runs whose :meth:`~kvstate.lab.semantic.methods.Method.share_key` agree share one compression),
+forks it per question and reads its byte counts; kvpress presses run through the registry's adapter.
 
 ``ppl`` items (held-out perplexity, compress-then-continue) feed their continuation one token at a time
 to the compressed cache and score each next token (:func:`kvstate.lab.perplexity.continuation_nll`);
 a row's ``score`` is then ``exp(total NLL / scored tokens)`` over its items (lower is better).
-
-kvpress presses run in their own environment (:mod:`kvstate.lab.semantic.baselines_kvpress`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
 from kvstate.lab import stats
@@ -48,16 +34,16 @@ from kvstate.lab.decode import greedy_decode
 from kvstate.lab.journal import Journal
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer
+from kvstate.lab.semantic import methods
+from kvstate.lab.semantic.methods import Context, Prefilled, SekvOptions
 from kvstate.lab.semantic.protocol import PPL, Item
-from kvstate.semantic.accounting import ByteCounts, evicting_bytes
-from kvstate.semantic.attention import semantic_attention
-from kvstate.semantic.cache import SemanticCache, SemanticConfig, surprisal
+from kvstate.semantic.cache import SemanticConfig
 from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.router import SemanticRouter
-from kvstate.semantic.segment import Segmentation, SegmentConfig, forced_mask, spans_from_anchors
+from kvstate.semantic.segment import SegmentConfig
 
-SEKV_METHODS = ("sekv", "sekv_fresh", "sekv_raw", "sekv_learned")
-IN_PROCESS = ("full", *SEKV_METHODS, "sentencekv", "quest", "streaming", "window")
+__all__ = ["ROW_FIELDS", "Outcome", "Prefilled", "SekvOptions", "cells", "compressed_cache", "prefill", "run_method",
+           "run_methods", "score_prediction", "slow_summary", "summarise"]
 ROW_FIELDS = ("method", "budget", "task", "length", "n", "score", "score_ci", "resident_bytes", "total_bytes",
               "attended_bytes_peak", "full_bytes", "expanded_fraction", "decode_ms_per_token")
 
@@ -98,73 +84,16 @@ def _answer(model: Any, cache: Any, question: list[int], start: int, max_new: in
     return tokenizer.decode(res.tokens, skip_special_tokens=True), res.decode_s, res.steps
 
 
-def sentence_segmentation(tokenizer: Any, ids: list[int], config: SegmentConfig) -> Segmentation:
-    """SentenceKV-like spans: whole sentences (each ending at a ``.`` token) packed in order into spans of at
-    most ``max_span`` tokens (a longer sentence split evenly); sinks, recent window and pieces shorter than
-    ``min_span`` stay anchors."""
-    period = tokenizer.convert_tokens_to_ids(".")
-    forced = forced_mask(len(ids), config)
-    free = np.flatnonzero(~forced)
-    if not len(free):
-        return spans_from_anchors(forced, config)
-    lo, hi = int(free[0]), int(free[-1]) + 1
-    cuts = [lo, *(i + 1 for i in range(lo, hi - 1) if ids[i] == period), hi]
-    spans: list[tuple[int, int]] = []
-    for a, b in itertools.pairwise(cuts):  # one sentence [a, b)
-        if spans and b - spans[-1][0] <= config.max_span and spans[-1][1] == a:
-            spans[-1] = (spans[-1][0], b)  # the sentence joins the open span
-        else:
-            pieces = -(-(b - a) // config.max_span)
-            bounds = [a + ((b - a) * i) // pieces for i in range(pieces + 1)]
-            spans += list(itertools.pairwise(bounds))
-    kept = [(a, b) for a, b in spans if b - a >= config.min_span]
-    mask = np.ones(len(ids), dtype=bool)
-    for a, b in kept:
-        mask[a:b] = False
-    return Segmentation(len(ids), np.flatnonzero(mask).astype(np.int64), np.array(kept, dtype=np.int64).reshape(-1, 2))
-
-
-@dataclass(frozen=True)
-class SekvOptions:
-    """SEKV's settings beside the read budget (the same for every SEKV method of a run)."""
-
-    memory: float | None = None  # bytes held in every tier / full KV; None: the slow tier under slow_budget
-    slow: str = "lowrank"  # "lowrank" or "quant" (sekv_raw: always raw)
-    bits: int = 4  # slow="quant": 2, 4, 8 or 16
-
-
-def method_config(method: str, budget: float, segment: SegmentConfig, expand_share: float = 0.5,
-                  slow_budget: float = SLOW_BUDGET, options: SekvOptions | None = None) -> SemanticConfig:
-    """The cache settings of an in-process method at ``budget`` (``full`` has none)."""
-    share = {"expand_share": expand_share}
-    if method in SEKV_METHODS:
-        o = options if options is not None else SekvOptions()
-        return SemanticConfig(budget=budget, segment=segment, slow_budget=slow_budget, sticky=method != "sekv_fresh",
-                              slow="raw" if method == "sekv_raw" else o.slow, bits=o.bits,  # type: ignore[arg-type]
-                              memory=o.memory, routing="learned" if method == "sekv_learned" else "bounds", **share)
-    if method == "sentencekv":
-        return SemanticConfig(budget=budget, segment=segment, zoom="similarity", slow="raw", sticky=False, **share)
-    if method == "window":
-        return SemanticConfig(budget=budget, segment=SegmentConfig(sinks=0, recent=segment.recent), zoom="none",
-                              slow_tier=False)
-    return SemanticConfig(budget=budget, segment=segment, zoom="none", slow_tier=False)  # quest, streaming
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """One item's context prefilled once at full resolution; every method and budget compresses a copy."""
-
-    cache: Any  # DynamicCache(config=model.config) holding the context (never fed afterwards)
-    surprisal: torch.Tensor  # (T,) -log p(x_t | x_<t) of each context token, from the prefill logits
-
-
 @torch.no_grad()
 def prefill(model: Any, item: Item) -> Prefilled:
     """Prefill ``item``'s context once (the forward pass every method starts from)."""
-    ctx = torch.tensor([item.context])
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ctx, position_ids=torch.arange(ctx.shape[1])[None], cache=cache, use_cache=True).logits
-    return Prefilled(cache, surprisal(logits, ctx))
+    return methods.prefill(model, item.context)
+
+
+def _context(router: SemanticRouter | None, segment: SegmentConfig, expand_share: float, slow_budget: float,
+             options: SekvOptions | None, config: SemanticConfig | None = None) -> Context:
+    return Context(router, segment, expand_share, slow_budget, options if options is not None else SekvOptions(),
+                   config)
 
 
 def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
@@ -173,69 +102,39 @@ def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget
                      slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None,
                      options: SekvOptions | None = None) -> Any:
     """A cache of ``method`` holding ``item``'s context, compressed (``full``: not compressed), from
-    ``prefilled`` (:func:`prefill`, left unchanged) or from a prefill of its own."""
+    ``prefilled`` (:func:`prefill`, left unchanged) or from a prefill of its own; ``config`` replaces the
+    proposed method's settings."""
     pre = prefilled if prefilled is not None else prefill(model, item)
-    if method == "full":
-        return copy.deepcopy(pre.cache)
-    from kvstate.lab.semantic.quest import QuestCache
-    from kvstate.lab.semantic.window import WindowCache
-
-    cfg = config if config is not None and method in SEKV_METHODS else \
-        method_config(method, budget, segment, expand_share, slow_budget, options)
-    kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache}.get(method, SemanticCache)
-    cache = kind(model, router if method in SEKV_METHODS else None, cfg)
-    cache.adopt(pre.cache)
-    if method in SEKV_METHODS:
-        cache.compress(pre.surprisal)
-    elif method == "sentencekv":
-        seg = sentence_segmentation(tokenizer, item.context, cfg.segment)
-        cache.check_fits(seg)
-        cache.compress_segmentation(seg, [np.full(b - a, 1.0 / (b - a)) for a, b in seg.spans])
-    else:
-        cache.compress()
-    return cache
-
-
-def counts(method: str, cache: Any) -> tuple[ByteCounts, float]:
-    """Byte counts of a cache after an answer and its peak read ratio (K/V read / full K/V, over passes)."""
-    if method == "full":
-        return evicting_bytes(cache, cache.get_seq_length()), 1.0
-    ratios = cache.read_ratios()
-    return cache.byte_counts(), max(ratios) if ratios else 0.0
+    ctx = _context(router, segment, expand_share, slow_budget, options, config)
+    return methods.get(method).build(model, tokenizer, item.context, budget, ctx, pre)
 
 
 def _outcome(method: str, budget: float, it: Item, q: int, score: float, pred: str, cache: Any, dt: float,
              steps: int, nll: float | None = None, tokens: int = 0) -> Outcome:
-    b, ratio = counts(method, cache)
-    expanded = cache.expanded_fraction() if method in (*SEKV_METHODS, "sentencekv", "quest") else None
+    m = methods.get(method)
+    b, ratio = m.counts(cache)
+    expanded = m.expanded(cache)
     return Outcome(method, budget, it.task, it.length, it.index, q, it.depth if it.task != PPL else None, score, pred,
                    b.resident_bytes, b.total_bytes, b.attended_bytes_peak, b.full_bytes, ratio, dt, steps, expanded,
                    nll, tokens)
 
 
-def _ask(method: str, budget: float, model: Any, tokenizer: Any, it: Item, cache: Any) -> list[Outcome]:
+def _ask(method: str, budget: float, model: Any, tokenizer: Any, it: Item, cache: Any, ctx: Context) -> list[Outcome]:
     """Every question of ``it`` (ppl: the continuation) on a fork of one compressed ``cache``, left unchanged."""
+    m = methods.get(method)
     tc = len(it.context)
     if it.task == PPL:  # compress, then continue: one continuation per context
         ids = it.context + it.questions[0]
-        if method == "full":
-            work = copy.deepcopy(cache)
+        work = m.fork(cache, budget, ctx)
+        with m.attention(model):
             got = continuation_nll(model, ids, tc, work, stepwise=True)
-        else:
-            work = cache.fork()
-            with semantic_attention(model):
-                got = continuation_nll(model, ids, tc, work, stepwise=True)
         return [_outcome(method, budget, it, 0, pooled_perplexity([got]), "", work, got.seconds, got.tokens,
                          got.nll, got.tokens)]
     out = []
     for qi, (q, mx) in enumerate(zip(it.questions, it.max_new_tokens, strict=True)):
-        if method == "full":
-            work = copy.deepcopy(cache)
+        work = m.fork(cache, budget, ctx)  # a compressed cache's fork shares its tensors
+        with m.attention(model):
             pred, dt, steps = _answer(model, work, q, tc, mx, tokenizer.eos_token_id, tokenizer)
-        else:
-            work = cache.fork()  # shares the compressed context's tensors
-            with semantic_attention(model):
-                pred, dt, steps = _answer(model, work, q, tc, mx, tokenizer.eos_token_id, tokenizer)
         out.append(_outcome(method, budget, it, qi, score_prediction(it, qi, pred), pred, work, dt, steps))
     return out
 
@@ -246,28 +145,27 @@ def _item(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, it: Ite
     """One item under every run not yet ``failed``: ``{"outcomes": {run: [...]}, "logs": {run: [...]},
     "failed": {run: error}}`` (a run whose compression failed on this item stops here)."""
     pre = prefill(model, it)
-    shared: dict[SemanticConfig, SemanticCache] = {}  # sekv and sekv_fresh differ in sticky only
+    ctx = _context(router, segment, expand_share, slow_budget, options, config)
+    shared: dict[Hashable, Any] = {}  # e.g. sekv and sekv_fresh differ in sticky only
     rec: dict[str, dict[int, Any]] = {"outcomes": {}, "logs": {}, "failed": {}}
     for r, (method, budget) in enumerate(runs):
         if r in failed:
             continue
-        cfg = (config if config is not None else method_config(method, budget, segment, expand_share,
-                                                               slow_budget, options)) if method in SEKV_METHODS else None
-        # without a memory cap, sticky is the one setting compression does not read
-        key = (dataclasses.replace(cfg, sticky=False) if cfg.memory is None else cfg) if cfg is not None else None
+        m = methods.get(method)
+        key = m.share_key(budget, ctx)
         try:
-            cache = shared[key].fork(cfg) if key in shared else \
-                compressed_cache(method, model, tokenizer, it, budget, router, segment, cfg, expand_share,
-                                 slow_budget, prefilled=pre)
+            cache = m.fork(shared[key], budget, ctx) if key is not None and key in shared else \
+                m.build(model, tokenizer, it.context, budget, ctx, pre)
         except KVStateError as exc:  # e.g. a budget below the method's minimum: the run stops
             rec["failed"][r] = exc
             continue
         if key is not None:
             shared.setdefault(key, cache)
-        if method in SEKV_METHODS:
+        log = m.slow_log(cache)
+        if log is not None:
             rec["logs"][r] = [{"method": method, "budget": budget, "task": it.task, "length": it.length,
-                               "index": it.index, **cache.slow_tier()}]
-        rec["outcomes"][r] = _ask(method, budget, model, tokenizer, it, cache)
+                               "index": it.index, **log}]
+        rec["outcomes"][r] = _ask(method, budget, model, tokenizer, it, cache, ctx)
     return rec
 
 
@@ -295,8 +193,7 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
          options: SekvOptions | None = None) -> tuple[list[Outcome], dict[int, KVStateError]]:
     """Outcomes of every (method, budget) run in run order, and the error that stopped each failed run."""
     for method, _ in runs:
-        if method not in IN_PROCESS:
-            raise ValueError(f"unknown in-process method {method!r}; choose from {IN_PROCESS}")
+        methods.get(method)  # an unknown name: one error listing the registry
     got: list[list[Outcome]] = [[] for _ in runs]
     logs: list[list[dict[str, Any]]] = [[] for _ in runs]
     failed: dict[int, KVStateError] = {}

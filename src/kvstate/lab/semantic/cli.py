@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -63,10 +63,26 @@ def default_router_dir(model: Path) -> Path:
 
 
 # the source a semantic evaluation depends on: a change here makes committed eval.json files stale
-EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/quest.py",
-             "lab/semantic/window.py", "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
+EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/methods",
+             "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
              "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py")
-DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sekv_learned,sentencekv,quest,streaming,kvpress"
+DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sekv_learned,sentencekv,quest,streaming,kivi,kvpress"
+
+
+@app.command("methods")
+def methods_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document.")] = False,
+) -> None:
+    """List the registered methods of `kvstate semantic eval --methods` (name, role, what it is)."""
+    from kvstate.lab.semantic import methods as registry
+
+    rows = [{"name": n, "role": m.role, "about": m.about} for n, m in registry.METHODS.items()]
+    rows += [{"name": n, "role": a.role, "about": a.about} for n, a in registry.ADAPTERS.items()]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    for r in rows:
+        print(f"{r['name']:<14} {r['role']:<10} {r['about']}")
 
 
 @app.command("eval")
@@ -78,10 +94,9 @@ def eval_command(
                                            "compressed cache, and ppl: held-out perplexity, compress the context then "
                                            "continue).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
-    methods: Annotated[str, typer.Option(help="full, sekv, sekv_fresh, sekv_raw, sekv_learned, sentencekv, quest, "
-                                              "streaming, window, "
-                                              "kvpress (its default presses) or press class names, comma-separated.")
-                       ] = DEFAULT_METHODS,
+    methods: Annotated[str, typer.Option(help="Registered methods, comma-separated (`kvstate semantic methods` "
+                                              "lists them): full, sekv and its ablations, the baselines, kvpress "
+                                              "(its default presses) or press class names.")] = DEFAULT_METHODS,
     n: Annotated[int, typer.Option(min=1, help="Items per task and length.")] = 4,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items (reported numbers: >= 1000).")] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
@@ -103,8 +118,6 @@ def eval_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
 ) -> None:
     """Compress the context, then ask: SEKV side by side with kvpress and in-project baselines, one byte budget."""
-    import tempfile
-
     from rich.table import Table
 
     from kvstate.lab.cli_output import (
@@ -120,9 +133,8 @@ def eval_command(
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
-    from kvstate.lab.semantic import baselines_kvpress as kp
+    from kvstate.lab.semantic import methods as registry
     from kvstate.lab.semantic.bench import (
-        IN_PROCESS,
         SekvOptions,
         cells,
         run_methods,
@@ -142,14 +154,8 @@ def eval_command(
     lengths = parse_ints(length, "--length", lo=64, example="1024,2K")
     tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL], example="niah_single,ppl")
     chosen = parse_names(methods, "--methods", example="full,sekv,kvpress")
-    presses = [p for m in chosen for p in (kp.DEFAULT_PRESSES if m == "kvpress" else (m,) if m.endswith("Press") else ())]
-    unknown = [m for m in chosen if m not in IN_PROCESS and m != "kvpress" and not m.endswith("Press")]
-    if unknown:
-        raise KVStateError(f"--methods: unknown method(s) {unknown}; choose from {', '.join(IN_PROCESS)}, kvpress or "
-                           "press class names, e.g. --methods full,sekv,SnapKVPress")
-    if len(set(presses)) != len(presses):
-        raise KVStateError(f"--methods {methods!r} names a press twice ('kvpress' already runs "
-                           f"{', '.join(kp.DEFAULT_PRESSES)}); list each press once")
+    selection = registry.resolve(chosen)  # unknown names: one error listing the registry
+    presses = [p for names in selection.external.values() for p in names]
     if not 1 <= n <= MAX_EXAMPLES:
         raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (items per task and length)")
     if slow not in ("lowrank", "quant"):
@@ -162,6 +168,7 @@ def eval_command(
     except ValueError as exc:  # name the option, not the dataclass field
         raise KVStateError(f"--recent / --max-span / --expand-share / --slow-budget / --bits / --budget / --memory: "
                            f"{exc}") from None
+    registry.ADAPTERS["kvpress"].venv = kvpress_venv  # type: ignore[attr-defined]
     venv_ok = not kvpress_venv.exists() or (kvpress_venv / "bin" / "python").is_file() or (
         kvpress_venv.is_dir() and not any(kvpress_venv.iterdir()))
     if presses and not venv_ok:  # `python -m venv` would write into whatever directory is there
@@ -189,8 +196,7 @@ def eval_command(
         console.print(f"[yellow]no router at {rdir}; SEKV runs with an untrained router[/]")
     items = [it for t in tasks for L in lengths for it in build_items(tok, t, L, n, seed)]
     outcomes, not_run, slow_log = [], [], []
-    in_proc = [m for m in chosen if m in IN_PROCESS]
-    runs = [(m, b) for m in in_proc for b in (budgets if m != "full" else [1.0])]
+    runs = [(m, b) for m in selection.methods for b in registry.get(m).budgets(budgets)]
     # a recorded run is resumable: finished items are journaled beside the result file
     journal = open_journal(save, {
         "model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
@@ -207,26 +213,19 @@ def eval_command(
     not_run += failed
     for e in failed:
         console.print(f"[yellow]{e['method']} at budget {e['budget']} not run:[/] {e['reason']}")
-    kv_info: dict = {"presses": presses, "hub_only": kp.NOT_RUN}
-    press_items = [it for it in items if it.task != PPL]  # the kvpress runner answers questions only
-    if presses and len(press_items) < len(items):
-        console.print("[yellow]ppl is measured for the in-process methods only (not through kvpress presses)[/]")
-    if presses and press_items:
-        try:
-            py = kp.ensure_env(kvpress_venv)
-            kv_info["versions"] = kp.versions(py)
-            console.print(f"kvpress: {len(presses)} presses x {len(budgets)} budgets x {len(press_items)} items (isolated env)")
-            with tempfile.TemporaryDirectory() as work, progress_bar("kvpress", len(press_items), unit="items") as bar:
-                got, failed = kp.run_presses(py, model, press_items, presses, budgets, Path(work), threads,
-                                             journal=journal, progress=bar.advance)
-            outcomes += got
-            not_run += failed
-        except KVStateError as exc:  # say why, run the rest: every press is "not run", never 0
-            console.print(f"[red]kvpress baselines not run:[/] {exc}")
-            not_run += kp.not_run(presses, budgets, str(exc))
+    external: dict[str, Any] = {}
+    press_items = [it for it in items if it.task != PPL]  # external runners answer questions only
+    for name, names in selection.external.items():
+        if len(press_items) < len(items):
+            console.print(f"[yellow]ppl is measured for the in-process methods only (not through {name})[/]")
+        with progress_bar(name, len(press_items), unit="items") as bar:
+            got, failed, external[name] = registry.ADAPTERS[name].run(
+                model, press_items, names, budgets, threads, journal, bar.advance, console.print)
+        outcomes += got
+        not_run += failed
     rows = summarise(outcomes)
     result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes),
-              "not_run": not_run, "slow_tier": slow_summary(slow_log), "kvpress": kv_info}
+              "not_run": not_run, "slow_tier": slow_summary(slow_log), **external}
     table = Table(title="compress the context, then ask (bytes / full KV)")
     for c in ("method", "budget", "task", "length", "n", "score", "95% CI", "resident", "total", "attended peak",
               "expanded", "ms/token"):

@@ -16,14 +16,16 @@ per-layer budgets (the first layers are not kept dense here).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from kvstate.errors import BudgetError
-from kvstate.lab.semantic.window import anchor_logits
+from kvstate.lab.semantic.methods.base import Context, StoreMethod, register
+from kvstate.lab.semantic.methods.window import anchor_logits
 from kvstate.semantic.cache import SemanticCache
+from kvstate.semantic.config import SemanticConfig
 
 
 @dataclass
@@ -137,3 +139,18 @@ class QuestCache(SemanticCache):
                                     self.config.budget, route_query=self.config.route_query)
             layer.keys = layer.values = None
         return None
+
+
+class Quest(StoreMethod):
+    name: ClassVar[str] = "quest"
+    about: ClassVar[str] = "Quest-like pages: page min / max keys on the device, pages read by bound within the budget"
+    cache_class: ClassVar[type] = QuestCache
+
+    def config(self, budget: float, ctx: Context) -> SemanticConfig:
+        return SemanticConfig(budget=budget, segment=ctx.segment, zoom="none", slow_tier=False)
+
+    def expanded(self, cache: Any) -> float | None:
+        return float(cache.expanded_fraction())
+
+
+register(Quest())

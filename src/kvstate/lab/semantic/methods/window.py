@@ -14,12 +14,15 @@ positions here, as kvpress's StreamingLLMPress keeps them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from kvstate.errors import BudgetError
+from kvstate.lab.semantic.methods.base import Context, StoreMethod, register
 from kvstate.semantic.cache import SemanticCache
+from kvstate.semantic.config import SemanticConfig
+from kvstate.semantic.segment import SegmentConfig
 
 
 def anchor_logits(query: torch.Tensor, anchor_k: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,3 +102,25 @@ class WindowCache(SemanticCache):
                                       sinks, self.config.budget, t)
             layer.keys = layer.values = None
         return None
+
+
+class Streaming(StoreMethod):
+    name: ClassVar[str] = "streaming"
+    about: ClassVar[str] = "StreamingLLM-like: attention sinks + a rolling recent window within the budget"
+    cache_class: ClassVar[type] = WindowCache
+
+    def config(self, budget: float, ctx: Context) -> SemanticConfig:
+        return SemanticConfig(budget=budget, segment=ctx.segment, zoom="none", slow_tier=False)
+
+
+class Window(Streaming):
+    name: ClassVar[str] = "window"
+    about: ClassVar[str] = "the recent window only (no sinks): the control for the hybrid model"
+
+    def config(self, budget: float, ctx: Context) -> SemanticConfig:
+        return SemanticConfig(budget=budget, segment=SegmentConfig(sinks=0, recent=ctx.segment.recent), zoom="none",
+                              slow_tier=False)
+
+
+register(Streaming())
+register(Window())
