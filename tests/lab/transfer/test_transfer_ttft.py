@@ -99,33 +99,30 @@ def test_generate_falls_back_and_says_so_when_the_producer_is_down(dirs: tuple[P
     assert isinstance(bad.exception, KVStateError) and "--method 'zip'" in str(bad.exception)
 
 
-def test_droidspeak_block_reaches_the_server_and_the_store_key(dirs: tuple[Path, Path, Path], tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """The TTFT bench serves DroidSpeak with the block its profiling chose; payloads of two blocks never share
-    a store key; a bad block or a block for another method is one error naming the option."""
-    from kvstate.lab.transfer import baselines
-    from kvstate.lab.transfer.methods import encoder, parse_block, variant
+def test_profiled_options_reach_the_server_and_the_store_key(dirs: tuple[Path, Path, Path], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TTFT bench serves each method with the options its profiling chose (DroidSpeak's block); payloads of
+    two blocks never share a store key; a bad block or a block for another method is one error naming it."""
     from kvstate.models.loading import load_model
+    from kvstate.transfer import methods as registry
     from kvstate.transfer.codec import Codec
 
     p, _, codec_dir = dirs
     codec = Codec.load(codec_dir)
-    assert parse_block("1:2", codec) == (1, 2) and parse_block(None, codec) is None
-    for bad in ("x", "2:1", "0:99", "1"):
-        with pytest.raises(KVStateError, match="--block"):
-            parse_block(bad, codec)
-    assert variant("droidspeak", (1, 2)) != variant("droidspeak", None) == "droidspeak" == variant("droidspeak", None)
-    assert variant("raw", (1, 2)) == "raw"
+    ds = registry.get("droidspeak")
+    ctx = registry.MethodContext(codec=codec, options={"block": "1:2"})
+    assert ds.recomputed_layers(ctx) == (1,) and ds.recomputed_layers(registry.MethodContext(codec=codec)) == (0, 1)
+    assert ds.variant(ctx) != ds.variant(registry.MethodContext(codec=codec)) == "droidspeak"
     producer = load_model(p)
     ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(1))
-    pair, encode = encoder("droidspeak", producer, codec, (1, 2))
-    want = baselines.encode_baseline("droidspeak", producer, ids, pair, (1, 2))
-    assert encode(ids).to_bytes() == want.to_bytes()
-    with pytest.raises(KVStateError, match="--block"):
-        encoder("raw", producer, codec, (1, 2))
-    res = CliRunner().invoke(app, ["transfer", "serve", "--producer", str(p), "--codec", str(codec_dir), "--method",
-                                   "kivi4", "--block", "0:1"])
-    assert isinstance(res.exception, KVStateError) and "--block" in str(res.exception)
+    pair, encode = registry.encoder("droidspeak", producer, ctx)
+    want = ds.encode(producer, ids, ctx)
+    assert encode(ids).to_bytes() == want.to_bytes() and want.pair == pair and want.meta["block"] == "1,2"
+    for method, extra in (("kivi4", ["--block", "0:1"]), ("droidspeak", ["--block", "2:1"]),
+                          ("raw", ["--option", "block=0:1"])):
+        res = CliRunner().invoke(app, ["transfer", "serve", "--producer", str(p), "--codec", str(codec_dir),
+                                       "--method", method, *extra])
+        assert isinstance(res.exception, KVStateError) and "block" in str(res.exception), res.output
     argvs = []
 
     class NoProcess:
@@ -134,8 +131,22 @@ def test_droidspeak_block_reaches_the_server_and_the_store_key(dirs: tuple[Path,
 
     monkeypatch.setattr(ttft.subprocess, "Popen", NoProcess)
     spec = {"producer": str(p), "codec": str(codec_dir), "methods": ["droidspeak", "raw"], "lengths": [64],
-            "droidspeak_block": [1, 2]}
+            "options": {"droidspeak": {"block": "1:2"}}}
     ttft._start_servers(spec, "memory://", tmp_path)
-    assert argvs[0][-2:] == ["--block", "1:2"] and "--block" not in argvs[1]
-    with pytest.raises(KVStateError, match="droidspeak_block"):
-        TTFTConfig(droidspeak_block=(2, 1))
+    assert argvs[0][-2:] == ["--option", "block=1:2"] and "--option" not in argvs[1]
+    with pytest.raises(KVStateError, match="takes no option block"):
+        TTFTConfig(options={"raw": {"block": "1:2"}})
+    import importlib.util
+
+    spec_ = importlib.util.spec_from_file_location("transfer_ttft", Path(__file__).parents[3] / "benchmarks" /
+                                                   "transfer_ttft.py")
+    assert spec_ is not None and spec_.loader is not None
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)
+    assert bench.profiled_options({"droidspeak_block": [1, 3]}) == {"droidspeak": {"block": "1:3"}}  # older files
+    assert bench.profiled_options({"method_options": {"droidspeak": {"block": "0:2"}}}) == \
+        {"droidspeak": {"block": "0:2"}}
+    assert bench.method_options("droidspeak.block=1:2,scd.patch=0", codec_dir) == \
+        {"droidspeak": {"block": "1:2"}, "scd": {"patch": "0"}}
+    with pytest.raises(KVStateError, match="--options 'zip'"):
+        bench.method_options("zip.x=1", codec_dir)

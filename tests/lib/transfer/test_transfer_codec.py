@@ -1,5 +1,5 @@
 """SCD codec against oracles: full-rank REUSE reproduces the producer's K/V, PATCH everywhere equals the
-consumer's own prefill, mismatched pairs fail loudly, and the baselines decode to the right caches."""
+consumer's own prefill, mismatched pairs fail loudly (the baselines: tests/lib/transfer/test_transfer_methods.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import IntegrityError, OutputError
-from kvstate.lab.transfer.baselines import decode_baseline, encode_baseline, raw_pair
 from kvstate.models.tiny import tiny_model
 from kvstate.transfer import PayloadError
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
@@ -229,44 +228,6 @@ def test_generate_continues_a_decoded_cache(producer: torch.nn.Module, self_code
     finite = torch.isfinite(b)
     assert torch.equal(torch.isfinite(a), finite) and float((a[finite] - b[finite]).abs().max()) < 1e-4
     assert torch.equal(got.sequences, ref.sequences)
-
-
-@pytest.mark.parametrize("method", ["raw", "raw_fp32", "droidspeak"])
-def test_lossless_baselines_equal_the_oracle_for_one_model(producer: torch.nn.Module, method: str) -> None:
-    ids = _prompts(1, 40, seed=16)[0]
-    oracle = prefill_states(producer, ids).logits[32:]
-    pl = encode_baseline(method, producer, ids[:, :32], raw_pair("a", "b"), block=(0, 1))
-    got = continue_logits(producer, decode_baseline(producer, pl, raw_pair("a", "b")), ids, 32)
-    assert torch.allclose(got, oracle, atol=1e-4 if method == "raw_fp32" else 2e-2)  # fp32 / fp16 on the wire
-    if method == "droidspeak":
-        assert "resid" in pl.tensors and "k.0" not in pl.tensors and "k.1" in pl.tensors
-
-
-@pytest.mark.parametrize("method", ["kivi4", "kivi2"])
-def test_kivi_is_lossy_but_close_and_keeps_its_recent_window(producer: torch.nn.Module, method: str) -> None:
-    ids = _prompts(1, 200, seed=17)[0]
-    ps = prefill_states(producer, ids)
-    pl = encode_baseline(method, producer, ids, raw_pair("a", "b"))
-    cache = decode_baseline(producer, pl, raw_pair("a", "b"))
-    raw = build_cache(producer, ps.k, ps.v)
-    kq, kr = cache.layers[1].keys, raw.layers[1].keys  # (1, H, T, D); tokens 64.. are KIVI's fp16 residual
-    err = float((kq[:, :, :64] - kr[:, :, :64]).abs().max())
-    assert 0 < err < (0.25 if method == "kivi4" else 0.8) * float(kr.abs().max())
-    assert float((kq[:, :, 64:] - kr[:, :, 64:]).abs().max()) < 1e-2 * float(kr.abs().max())
-    with pytest.raises(PayloadError, match="model pair"):
-        decode_baseline(producer, pl, raw_pair("a", "c"))
-
-
-def test_droidspeak_profiles_every_contiguous_block_and_picks_the_smallest_within_its_bound(pair: tuple) -> None:
-    from kvstate.lab.transfer.baselines import choose_block, profile_blocks
-
-    p, c, _ = pair
-    kl = profile_blocks(p, c, _prompts(2, 40, seed=18), raw_pair("a", "b"), suffix=8)
-    assert set(kl) == {(0, 0), (0, 1), (0, 2), (1, 2)} and kl[(0, 0)] > 0
-    assert kl[(0, 2)] < 0.5 * kl[(0, 0)]  # every layer recomputed (from the producer's embeddings) beats raw reuse
-    assert choose_block({(0, 0): 1.0, (0, 1): 0.5, (1, 2): 0.2, (0, 2): 0.0}, keep=0.25) == (1, 2)
-    assert choose_block({(0, 0): 1.0, (0, 1): 0.5, (1, 2): 0.3, (0, 2): 0.1}, keep=0.25) == (0, 2)
-    assert choose_block({(0, 0): 1.0, (0, 1): 0.5, (1, 2): 0.3, (0, 2): 0.4}, keep=0.25) == (0, 2)
 
 
 def _related_consumer(producer: torch.nn.Module, key_scale: float = 1.6) -> tuple[torch.nn.Module, list]:

@@ -103,8 +103,10 @@ def consumer_card(model_dir: str | Path, base_dir: str | Path, bench_json: str |
         lines += [f"| {k} | {v:.3f} | {raw.get(o['length'], {}).get('per_task', {}).get(k, nan):.3f} |"
                   for o in oracle for k, v in o["per_task"].items()]
         o, r = oracle[0], raw.get(oracle[0]["length"], {})
-        mean_o = sum(x["score"] for x in oracle) / len(oracle)  # the lengths hold the same number of items
-        mean_r = sum(x["score"] for x in raw.values()) / max(len(raw), 1)
+        # every cell, solved or not (a row's score pools only the cells the oracle solves); equal items per cell
+        cells_o = [v for x in oracle for v in x["per_task"].values()]
+        cells_r = [v for x in raw.values() for v in x["per_task"].values()]
+        mean_o, mean_r = sum(cells_o) / max(len(cells_o), 1), sum(cells_r) / max(len(cells_r), 1)
         lines += [f"| **mean score** (every length) | **{mean_o:.3f}** | **{mean_r:.3f}** |",
                   f"| perplexity (2nd half of held-out text) | {o['ppl']:.3f} | {r.get('ppl', nan):.3f} |"]
         lines += [f"| {k} (weak task) | {v:.3f} | {r.get('weak_tasks', {}).get(k, nan):.3f} |"

@@ -1,8 +1,9 @@
-"""``kvstate transfer ...``: calibrate an SCD codec, serve payloads, generate from them, benchmark.
+"""``kvstate transfer ...``: calibrate an SCD codec, benchmark the registered methods, write cards.
 
 Semantic Cache Distillation (*Semantic Cache Distillation: Efficient State Transfer via Reuse and
-Selective Patching*, ``docs/techniques.md#across-models``). torch / transformers load lazily inside
-the commands.
+Selective Patching*, ``docs/techniques.md#across-models``). ``serve``, ``generate`` and ``methods`` come
+from the library (:mod:`kvstate.transfer.cli`: serving a transfer needs no lab). torch / transformers load
+lazily inside the commands.
 """
 
 from __future__ import annotations
@@ -16,26 +17,17 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstate.errors import KVStateError
+from kvstate.transfer.cli import DEFAULT_CODEC, positions, register_commands
 
 app = typer.Typer(no_args_is_help=True, help="State transfer across models: Semantic Cache Distillation (SCD).")
 console = Console()
-DEFAULT_CODEC = Path("models/codec-ref-attn-ft")
+register_commands(app)
 
 
 def _threads(n: int) -> None:
     from kvstate.lab.cli_output import set_threads
 
     set_threads(n)
-
-
-def _positions(*dirs: Path) -> int | None:
-    """The smallest ``max_position_embeddings`` of the models' configs (read before any weights)."""
-    from kvstate.models.families import text_config
-    from kvstate.models.loading import load_config
-
-    limits = [getattr(text_config(load_config(d)), "max_position_embeddings", None) for d in dirs]
-    known = [x for x in limits if isinstance(x, int)]
-    return min(known) if known else None
 
 
 def _patch(value: str) -> int | None:
@@ -83,7 +75,7 @@ def calibrate_command(
                             patch_map=patch_map)
     check_not_input(out, {"--producer": producer, "--consumer": consumer})
     check_output_dir(out, overwrite=overwrite, accept=is_codec_dir, kind=f"a codec directory ({WEIGHTS} + {MANIFEST})")
-    limit = _positions(producer, consumer)
+    limit = positions(producer, consumer)
     if limit is not None and length > limit:
         raise KVStateError(f"--length {length:,} exceeds the models' max_position_embeddings={limit:,}; pass "
                            f"--length <= {limit:,}")
@@ -109,122 +101,26 @@ def calibrate_command(
     console.print(f"next-token KL vs the consumer, all layers: {info['kl_all_layers']}")
 
 
-@app.command("serve")
-def serve_command(
-    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")],
-    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory (kvstate transfer calibrate).")] = DEFAULT_CODEC,
-    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 7070,
-    store: Annotated[str, typer.Option("--store", help="Payload store: memory:// or redis://HOST:PORT/DB.")] = "memory://",
-    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
-    max_tokens: Annotated[int, typer.Option(
-        "--max-tokens", help="Tokens per request at most (bounds how long one request holds the model).")] = 8192,
-    method: Annotated[str, typer.Option("--method", help="What to ship: scd, reuse, or a baseline (raw, raw_fp32, kivi4, kivi2, "
-                                        "droidspeak); the consumer passes the same --method.")] = "scd",
-    block: Annotated[str | None, typer.Option(
-        "--block", help="DroidSpeak only: the recomputed layer block A:B (layers A..B-1), e.g. the bench's "
-        "profiled droidspeak_block; default every layer.")] = None,
-) -> None:
-    """Serve SCD (or baseline) payloads of prompt prefixes over TCP until interrupted."""
-    import asyncio
-
-    from kvstate.lab.harness import load_reference
-    from kvstate.lab.transfer.methods import check_method, encoder, parse_block, variant
-    from kvstate.transfer.codec import Codec
-    from kvstate.transfer.serving import producer_service
-    from kvstate.transfer.store import open_store
-    from kvstate.transfer.transport import ServerConfig, start_server
-
-    _threads(threads)
-    config = ServerConfig(host=host, port=port, max_tokens=max_tokens)  # bad values fail before the model loads
-    check_method(method)
-    codec = Codec.load(codec_dir)
-    span = parse_block(block, codec)
-    if span is not None and method != "droidspeak":
-        raise KVStateError(f"--block is DroidSpeak's recomputed layer block; --method {method} takes none")
-    model, _ = load_reference(producer)
-    pair, encode = encoder(method, model, codec, span)
-    service = producer_service(model, codec, open_store(store), encode, pair, variant=variant(method, span))
-
-    async def main() -> None:
-        server = await start_server(service, config)
-        bound = server.sockets[0].getsockname()
-        console.print(f"serving {method} payloads for pair {pair.hex()[:12]}… on {bound[0]}:{bound[1]} "
-                      f"(store {store}); Ctrl-C stops")
-        async with server:
-            await server.serve_forever()
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        console.print(f"stopped after {service.served} payloads ({service.hits} from the store; {service.corrupt} "
-                      "corrupt stored payloads deleted and re-encoded)")
-
-
-@app.command("generate")
-def generate_command(
-    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")],
-    server: Annotated[str, typer.Option("--server", help="Producer address HOST:PORT.")],
-    prompt: Annotated[str, typer.Option("--prompt", help="Prompt text (the producer prefills all but its last token).")],
-    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens to generate.")] = 32,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per network step.")] = 60.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
-    method: Annotated[str, typer.Option("--method", help="The producer's --method.")] = "scd",
-    fallback: Annotated[bool, typer.Option("--fallback/--no-fallback", help="Prefill on the consumer when the "
-                                           "producer is unreachable, its store failed or its payload is refused "
-                                           "(corrupt, for other tokens); said on stderr in one line.")] = True,
-) -> None:
-    """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
-    import sys
-    from dataclasses import asdict
-
-    from kvstate.lab.cli_output import print_json
-    from kvstate.lab.harness import load_reference
-    from kvstate.lab.transfer.methods import check_method, receiver
-    from kvstate.transfer.codec import Codec
-    from kvstate.transfer.serving import consumer_generate
-
-    _threads(threads)
-    check_method(method)
-    limit = _positions(consumer)
-    if not 1 <= max_new_tokens <= (limit or 1 << 20):
-        raise KVStateError(f"--max-new-tokens {max_new_tokens} must be in 1..{limit or 1 << 20:,} (the consumer's "
-                           "positions)")
-    codec = Codec.load(codec_dir)
-    model, tok = load_reference(consumer)
-    gen = consumer_generate(model, tok, receiver(method, model, codec), server, prompt, max_new_tokens, timeout,
-                            fallback=fallback)
-    if gen.fallback is not None:  # one line, written directly: a Rich console would wrap it
-        sys.stderr.write(f"no payload: {gen.fallback}\n")
-        sys.stderr.flush()
-    if as_json:
-        print_json(asdict(gen))
-        return
-    console.print(gen.text)
-    if gen.fallback is not None:
-        console.print(f"[dim]{gen.prompt_tokens} prompt tokens prefilled on the consumer, {gen.generate_ms:.1f} ms[/]")
-        return
-    console.print(f"[dim]{gen.prompt_tokens} prompt tokens, payload {gen.payload_bytes:,} B "
-                  f"({'store' if gen.cached else 'encoded'}), wire {gen.wire_ms:.1f} ms, decode {gen.decode_ms:.1f} ms, "
-                  f"generate {gen.generate_ms:.1f} ms[/]")
-
-
 # the source a transfer bench depends on: a change here makes committed bench.json files stale
-BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/baselines.py", "lab/transfer/prompts.py",
-              "lab/decode.py",
-              "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py")
+BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/prompts.py", "lab/decode.py",
+              "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py", "lab/protocol.py", "lab/stats.py")
 
 
 @app.command("bench")
 def bench_command(
     producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
-    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")] = Path("models/ref-attn-ft"),
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory (default: the shifted pair's; "
+                                           "models/ref-attn-ft with its codec is the near-aligned control).")
+                        ] = Path("models/ref-attn-ft2"),
     codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
     n: Annotated[int, typer.Option("--n", min=1, help="Examples per needle task and length.")] = 10,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the evaluation items.")] = 0,
-    lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated.")] = "1024,2048",
+    lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated (default: the "
+                                         "TTFT grid's 1K / 4K / 8K; 8K = 8,128 leaves room for the answer).")
+                       ] = "1024,4096,8128",
+    methods: Annotated[str | None, typer.Option("--methods", help="Registered methods to run, comma-separated "
+                                                "(default: all; the oracle always runs); `kvstate transfer methods` "
+                                                "lists them.")] = None,
     ppl_n: Annotated[int, typer.Option("--ppl-n", help="Held-out text examples for perplexity.")] = 4,
     weak_n: Annotated[int, typer.Option("--weak-n", help="Examples per weak task (vt, fwe, cwe, qa).")] = 3,
     ablation_n: Annotated[int, typer.Option("--ablation-n", help="Examples per task for the key-vs-value rank "
@@ -232,42 +128,47 @@ def bench_command(
     pca_codec: Annotated[Path | None, typer.Option(
         "--pca-codec", help="A codec calibrated with --reuse-map pca for the same pair: adds the reuse_pca_producer "
         "ablation row.")] = None,
-    budget_rows: Annotated[bool, typer.Option("--budget/--no-budget", help="PATCH budget rows scd_k1..scd_k4.")] = True,
+    budget_rows: Annotated[bool, typer.Option("--budget/--no-budget", help="The methods' extended rows (SCD's PATCH "
+                                              "budget scd_k1..scd_k4).")] = True,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Append this run, with its provenance, to a result file (e.g. CODEC/bench.json).")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
     threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
 ) -> None:
-    """oracle / raw / raw_fp32 / kivi4 / kivi2 / droidspeak / reuse / scd / scd_k1..4 on the same prompts: quality
-    with intervals, perplexity, payload bytes per token; one row per method and length."""
+    """Every registered transfer method (and its extra rows) on the same prompts: quality pooled over the tasks the
+    oracle solves, with intervals and the excluded tasks beside; perplexity; payload bytes per token; the consumer
+    layers each recomputes. One row per method and length."""
     import sys
     from dataclasses import asdict
 
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.journal import open_journal
-    from kvstate.lab.lists import parse_ints
+    from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
     from kvstate.lab.provenance import Recorder
     from kvstate.lab.transfer.bench import BenchConfig, run_bench
     from kvstate.models.loading import load_config
+    from kvstate.transfer import methods as registry
     from kvstate.transfer.codec import Codec
 
     _threads(threads)
+    chosen = tuple(parse_names(methods, "--methods", registry.names())) if methods else ()
     cfg = BenchConfig(n=n, seed=seed, lengths=tuple(parse_ints(lengths, "--length", lo=64, example="1024,2K")),
-                      ppl_n=ppl_n, weak_n=weak_n, ablation_n=ablation_n, budget_rows=budget_rows)
+                      ppl_n=ppl_n, weak_n=weak_n, ablation_n=ablation_n, budget_rows=budget_rows, methods=chosen)
     for option, value in (("--n", n), ("--ppl-n", ppl_n), ("--weak-n", weak_n), ("--ablation-n", ablation_n)):
         if not (1 if option == "--n" else 0) <= value <= MAX_EXAMPLES:
             raise KVStateError(f"{option} {value} must be in {1 if option == '--n' else 0}..{MAX_EXAMPLES:,}")
     if out is not None:
         check_results_out(out, overwrite=overwrite)
+    codec = Codec.load(codec_dir)  # a wrong --codec first: it names the fix
     check_lengths_fit(load_config(consumer), cfg.lengths)  # the configs alone: before reading the weights
     check_lengths_fit(load_config(producer), cfg.lengths)
     rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])], n=n,
                    seeds=[seed], tasks=cfg.tasks, lengths=cfg.lengths,
-                   settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n, "budget_rows": budget_rows})
-    codec = Codec.load(codec_dir)
+                   settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n, "budget_rows": budget_rows,
+                             "run_methods": list(chosen)})  # not "methods": the ledger keys this file by its path
     pca = Codec.load(pca_codec) if pca_codec is not None else None
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
@@ -275,10 +176,10 @@ def bench_command(
     journal = open_journal(out, {"config": asdict(cfg), "threads": threads, "models": [
         str(producer), str(consumer), str(codec_dir), str(pca_codec)]}, BENCH_CODE,
         [producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])], lambda s: print(s, file=sys.stderr))
-    total = 1 + len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + (4 if ablation_n else 0)
+    total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + (4 if ablation_n else 0)
     with progress_bar("bench", total, unit="ex") as bar:
         result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()), pca_codec=pca,
-                           journal=journal)
+                           journal=journal, codec_dir=codec_dir)
     result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir),
                   pca_codec=str(pca_codec) if pca_codec else None)
     prov = rec.finish() if journal is None else journal.stamp(rec.finish())
@@ -287,12 +188,18 @@ def bench_command(
         if journal is not None:
             journal.close()
     table = Table(title=f"transfer bench: {producer} -> {consumer}, n={n}, lengths {lengths}")
-    for col in ("method", "length", "n", "score [95% CI]", "F1", "ppl", "B/token", "consumer ms"):
+    for col in ("method", "length", "n", "score [95% CI] (solved tasks)", "F1", "ppl", "B/token", "recomputed",
+                "consumer ms"):
         table.add_column(col, justify="right")
     for r in result["results"]:
-        lo, hi = r["score_ci"]
-        table.add_row(r["method"], str(r["length"]), str(r["n"]), f"{r['score']:.3f} [{lo:.3f}, {hi:.3f}]",
-                      f"{r['f1']:.3f}", "" if r["ppl"] is None else f"{r['ppl']:.3f}", f"{r['payload_bytes_per_token']:.1f}", f"{r['consumer_ms']:.1f}")
+        shown = "no solved task" if r["score"] is None else f"{r['score']:.3f} [{r['score_ci'][0]:.3f}, {r['score_ci'][1]:.3f}]"
+        table.add_row(r["method"], str(r["length"]), str(r["n"]), shown, f"{r['f1']:.3f}",
+                      "" if r["ppl"] is None else f"{r['ppl']:.3f}", f"{r['payload_bytes_per_token']:.1f}",
+                      ",".join(map(str, r["recomputed_layers"])), f"{r['consumer_ms']:.1f}")
+    excluded = {f"{k}@{r['length']}": v for r in result["results"] if r["method"] == result["reference"]
+                for k, v in r["excluded_tasks"].items()}
+    if excluded:
+        table.caption = "excluded (oracle < 0.9 there): " + ", ".join(f"{k} {v:.2f}" for k, v in excluded.items())
     table_console(as_json).print(table)
     if as_json:
         print_json({**result, "provenance": prov})

@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ from kvstate.lab.netns import (
     namespace_support,
     shape_loopback,
 )
-from kvstate.lab.transfer.methods import check_method, served_methods
 from kvstate.validate import check_float, check_int
 
 UNSHAPED = "loopback"  # the rate key of plain, unshaped loopback
@@ -58,13 +57,13 @@ class TTFTConfig:
     rates_gbit: tuple[float, ...] = (0.1, 1.0, 10.0)  # shaped link rates
     lengths: tuple[int, ...] = (1024, 4096, 8192)  # prompt tokens
     repeats: int = 5  # prompts per length (each timed cold, warm and oracle)
-    methods: tuple[str, ...] = ()  # () = every served method
+    methods: tuple[str, ...] = ()  # () = every registered method that ships a payload
     seed: int = 0
     unshaped: bool = False  # also measure plain loopback in this namespace
     bulk_s: float = 0.5  # seconds of the bulk transfer that measures the achieved rate
     timeout_s: float = 600.0  # per request
     start_timeout_s: float = 300.0  # for the servers to load
-    droidspeak_block: tuple[int, int] | None = None  # its recomputed layers [a, b) (None: every layer)
+    options: dict[str, dict[str, str]] = field(default_factory=dict)  # method -> its --option KEY=VALUE (profiled)
 
     def __post_init__(self) -> None:
         for r in self.rates_gbit:
@@ -79,11 +78,16 @@ class TTFTConfig:
             check_int("TTFTConfig.lengths[] (--length)", n, 2, 1 << 20, error=KVStateError)
         check_int("TTFTConfig.repeats (--repeats)", self.repeats, 1, 1000, error=KVStateError)
         check_int("TTFTConfig.seed (--seed)", self.seed, 0, 2**31, error=KVStateError)
+        from kvstate.transfer import methods as registry
+
         for m in self.methods:
-            check_method(m)
-        if self.droidspeak_block is not None and not (
-                len(self.droidspeak_block) == 2 and 0 <= self.droidspeak_block[0] < self.droidspeak_block[1]):
-            raise KVStateError(f"TTFTConfig.droidspeak_block {self.droidspeak_block} must be (a, b) with 0 <= a < b")
+            registry.get(m, shipped_only=True)
+        for m, opts in self.options.items():
+            keys = registry.get(m, option="TTFTConfig.options").option_keys
+            bad = sorted(set(opts) - set(keys))
+            if bad:
+                raise KVStateError(f"TTFTConfig.options: --method {m} takes no option {', '.join(bad)} "
+                                   f"(it takes {', '.join(keys) or 'none'})")
         if len(set(self.methods)) != len(self.methods):
             raise KVStateError(f"TTFTConfig.methods {self.methods} repeat a method")
         check_float("TTFTConfig.bulk_s", self.bulk_s, 0.05, 60.0, error=KVStateError)
@@ -92,7 +96,9 @@ class TTFTConfig:
 
     @property
     def method_list(self) -> tuple[str, ...]:
-        return self.methods or served_methods()
+        from kvstate.transfer import methods as registry
+
+        return self.methods or registry.served_methods()
 
 
 def rate_key(rate: float | None) -> str:
@@ -179,9 +185,8 @@ def _start_servers(spec: dict[str, Any], store: str, root: Path) -> dict[str, tu
         argv = [sys.executable, "-m", "kvstate.cli", "transfer", "serve", "--producer", spec["producer"], "--codec",
                 spec["codec"], "--method", m, "--port", str(port), "--store", store, "--threads", "1",
                 "--max-tokens", str(max(spec["lengths"]))]
-        if m == "droidspeak" and spec.get("droidspeak_block"):
-            a, b = spec["droidspeak_block"]
-            argv += ["--block", f"{a}:{b}"]
+        for key, value in sorted(((spec.get("options") or {}).get(m) or {}).items()):
+            argv += ["--option", f"{key}={value}"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=_env())
         servers[m] = (f"127.0.0.1:{port}", proc, log)
@@ -241,7 +246,7 @@ def measure_inside(spec: dict[str, Any], log: Callable[[str], None] = lambda s: 
     import torch
 
     from kvstate.lab.harness import load_reference
-    from kvstate.lab.transfer.methods import receiver
+    from kvstate.transfer import methods as registry
     from kvstate.transfer.codec import Codec
 
     torch.set_num_threads(1)
@@ -256,18 +261,21 @@ def measure_inside(spec: dict[str, Any], log: Callable[[str], None] = lambda s: 
         try:
             codec = Codec.load(spec["codec"])
             consumer, tok = load_reference(spec["consumer"])
-            receivers = {m: receiver(m, consumer, codec) for m in spec["methods"]}
+            receivers = {m: registry.receiver(m, consumer, registry.MethodContext(
+                codec=codec, codec_dir=Path(spec["codec"]), options=(spec.get("options") or {}).get(m) or {}))
+                for m in spec["methods"]}
             _wait_ready(servers, spec["start_timeout_s"])
             n = spec["repeats"]
             prompts = _prompts(tok, spec["lengths"], n + 1, spec["seed"])  # the last: warm-up only
             samples: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
-            order = ["oracle", *spec["methods"]]
+            ref = registry.reference()
+            order = [ref, *spec["methods"]]
             for length in spec["lengths"]:
                 for r in [n, *range(n)]:  # warm-up first, not recorded
                     ids = prompts[length][r]
                     for m in order[r % len(order):] + order[:r % len(order)]:
                         cell = samples.setdefault(m, {}).setdefault(str(length), {"cold": [], "warm": []})
-                        if m == "oracle":
+                        if m == ref:
                             t0 = time.perf_counter()
                             token = first_token(consumer, ids)
                             ms = 1e3 * (time.perf_counter() - t0)
@@ -354,8 +362,11 @@ def _median(xs: Sequence[float]) -> float:
 
 def rows_from(links: dict[str, dict[str, Any]], methods: Sequence[str], lengths: Sequence[int]) -> list[dict[str, Any]]:
     """One row per (method, length) over every measured link (medians, spread, parts)."""
+    from kvstate.transfer import methods as registry
+
+    ref = registry.reference()
     rows = []
-    for m in ["oracle", *methods]:
+    for m in [ref, *methods]:
         for length in lengths:
             row: dict[str, Any] = {"method": m, "length": length, "ttft_ms": {}, "ttft_range_ms": {},
                                    "parts_ms": {}, "achieved_gbit_s": {}}
@@ -366,14 +377,14 @@ def rows_from(links: dict[str, dict[str, Any]], methods: Sequence[str], lengths:
                 row["ttft_range_ms"][key] = {mode: [round(min(s["total"] for s in cell[mode]), 3),
                                                     round(max(s["total"] for s in cell[mode]), 3)]
                                              for mode in ("cold", "warm")}
-                parts = ("prefill",) if m == "oracle" else ("fetch", "producer", "decode", "first_token")
+                parts = ("prefill",) if m == ref else ("fetch", "producer", "decode", "first_token")
                 row["parts_ms"][key] = {mode: {p: _median([s[p] for s in cell[mode]]) for p in parts}
                                         for mode in ("cold", "warm")}
                 row["achieved_gbit_s"][key] = round(link["achieved_gbit_s"], 4)
-                if m != "oracle":
+                if m != ref:
                     row["payload_bytes"] = int(statistics.median(s["bytes"] for s in cell["cold"]))
                     row["payload_bytes_per_token"] = round(row["payload_bytes"] / (length - 1), 2)
-                    oracle = {s["repeat"]: s["token"] for s in links[key]["samples"]["oracle"][str(length)]["cold"]}
+                    oracle = {s["repeat"]: s["token"] for s in links[key]["samples"][ref][str(length)]["cold"]}
                     same = [s["token"] == oracle[s["repeat"]] for s in cell["cold"] + cell["warm"]]
                     row["first_token_agrees"] = round(sum(same) / len(same), 4)
             rows.append(row)
@@ -387,7 +398,7 @@ def run_ttft(cfg: TTFTConfig, producer: str | Path, consumer: str | Path, codec:
     spec = {"producer": str(producer), "consumer": str(consumer), "codec": str(codec), "methods": list(cfg.method_list),
             "lengths": list(cfg.lengths), "repeats": cfg.repeats, "seed": cfg.seed, "bulk_s": cfg.bulk_s,
             "timeout_s": cfg.timeout_s, "start_timeout_s": cfg.start_timeout_s,
-            "droidspeak_block": list(cfg.droidspeak_block) if cfg.droidspeak_block else None}
+            "options": {m: o for m, o in cfg.options.items() if m in cfg.method_list}}
     links: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     why = namespace_support() if cfg.rates_gbit else None
@@ -402,7 +413,7 @@ def run_ttft(cfg: TTFTConfig, producer: str | Path, consumer: str | Path, codec:
     rows = rows_from(links, cfg.method_list, cfg.lengths) if links else []
     return {"rows": rows, "skipped": skipped, "config": asdict(cfg), "producer": str(producer),
             "consumer": str(consumer), "codec": str(codec), "max_position_embeddings": limit,
-            "droidspeak_block": spec["droidspeak_block"],
+            "options": spec["options"],
             "links": {k: {x: v[x] for x in ("rate_gbit", "achieved_gbit_s", "bulk_bytes", "qdisc", "store")}
                       for k, v in links.items()},
             "timing": "medians over repeats; cold = producer prefill + encode + wire + consumer decode + first token, "

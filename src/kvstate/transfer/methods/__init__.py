@@ -75,6 +75,15 @@ def served_methods() -> tuple[str, ...]:
     return names(shipped_only=True)
 
 
+def reference() -> str:
+    """The name of the method every other is scored and timed against: the one that ships no payload (the
+    consumer's own prefill)."""
+    refs = [m.name for m in methods() if not m.ships_payload]
+    if len(refs) != 1:
+        raise MethodError(f"the registry needs exactly one method that ships no payload (the reference), has {refs}")
+    return refs[0]
+
+
 def get(name: str, option: str = "--method", shipped_only: bool = False) -> TransferMethod:
     """The method registered as ``name``; otherwise one :class:`MethodError` listing the registry."""
     _load()
@@ -128,4 +137,4 @@ def describe(ctx: MethodContext | None = None) -> list[dict[str, Any]]:
 
 __all__ = ["MethodContext", "MethodError", "Receiver", "TransferMethod", "context", "describe", "encoder", "get",
            "methods", "names", "parse_options", "payload_bytes_per_token", "producer_states", "raw_pair",
-           "receiver", "register", "served_methods", "tensor_bytes"]
+           "receiver", "reference", "register", "served_methods", "tensor_bytes"]
