@@ -8,7 +8,14 @@ query can therefore never be ranked below its own best logit — the guarantee l
 lack (Loki's approximate keys, SEKV's learned relevance). The span store ranks spans by this bound
 over the keys it will actually read: the dequantized keys of a quantized span (whose quantizer range
 *is* the bound, :mod:`kvstate.semantic.quant`), the reconstructed keys of a low-rank one
-(``docs/techniques.md#resolution``). Ignored: Quest's per-page kernels (one batched matmul here).
+(``docs/techniques.md#resolution``).
+
+A low-rank span's keys are ``a @ b`` (``a`` (n, r) coordinates, ``b`` (r, D) basis, :mod:`kvstate.semantic.lowrank`),
+so ``q . k_i = (b q) . a_i``: the same bound taken in the rank-r coordinates — the per-coordinate min / max
+of ``a`` against the projected query ``b q`` — is at least every logit of the reconstructed keys too
+(:func:`rank_bounds`, :func:`rank_upper_bound`). It needs the basis at routing time: ``r D + 2 r`` numbers
+per span and head against ``2 D`` for the box in key coordinates, fewer only at rank 1. Ignored: Quest's
+per-page kernels (one batched matmul here).
 """
 
 from __future__ import annotations
@@ -30,3 +37,16 @@ def upper_bound(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torc
     q = query.float()
     pos, neg = q.clamp_min(0), q.clamp_max(0)  # (H, M, D)
     return pos @ hi.float().transpose(-1, -2) + neg @ lo.float().transpose(-1, -2)  # (H, M, S)
+
+
+def rank_bounds(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-coordinate minimum and maximum of a low-rank span's coordinates: a (H, n, r) → lo (H, r), hi (H, r)."""
+    return a.amin(1), a.amax(1)
+
+
+def rank_upper_bound(query: torch.Tensor, b: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The bound in rank-r coordinates of every query row against one low-rank span: query (H, M, D), basis
+    b (H, r, D), lo / hi (H, r) → (H, M), at least ``q . (a @ b)_i`` for every row i of ``a`` within lo / hi."""
+    p = query.float() @ b.float().transpose(-1, -2)  # (H, M, r) the query in the span's coordinates
+    return (p.clamp_min(0) * hi.float()[:, None] + p.clamp_max(0) * lo.float()[:, None]).sum(-1)
+

@@ -93,3 +93,20 @@ def test_learned_routing_of_an_untrained_router_ranks_the_needle_span_elsewhere(
     order = score.amax(0).argsort(descending=True).tolist()
     assert order.index(6) > 0
     assert store.k_lo is None and store.route.shape[-1] > 0  # learned routing keeps summaries, not bounds
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 12), r=st.integers(1, 6), scale=st.floats(0.1, 20.0))
+def test_the_bound_in_rank_coordinates_is_at_least_every_logit_of_the_reconstructed_keys(seed, n, r, scale):
+    from kvstate.semantic.bounds import rank_bounds, rank_upper_bound
+
+    g = torch.Generator().manual_seed(seed)
+    a = scale * torch.randn(H, n, r, generator=g)  # (H, n, r) coordinates
+    b = torch.randn(H, r, D, generator=g)  # (H, r, D) basis
+    q = scale * torch.randn(H, 5, D, generator=g)
+    lo, hi = rank_bounds(a)
+    bound = rank_upper_bound(q, b, lo, hi)  # (H, M)
+    logits = (q @ (a @ b).transpose(-1, -2)).amax(-1)  # (H, M): the largest logit of the keys read back
+    assert (bound >= logits - 1e-4 * (1 + logits.abs())).all()
+    if n == 1:  # one key: the box is a point and the bound is its logit
+        assert torch.allclose(bound, logits, rtol=1e-4, atol=1e-3)

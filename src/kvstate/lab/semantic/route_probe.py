@@ -7,9 +7,12 @@ spans the router scored and the ones the budget let it expand. The needle's span
 token of the asked value — are then ranked three ways over the same spans and the same last-token query:
 the shipped routing's score (``--routing bounds``: the bound over the keys the slow tier gives back;
 ``learned``: the paper's learned relevance), the Quest bound ``sum_d max(q_d min_d, q_d max_d)`` of each span's
-raw keys (what the Quest-like baseline uses over pages) and ``q . mean key`` (SentenceKV-like). Printed per
+raw keys (what the Quest-like baseline uses over pages), ``q . mean key`` (SentenceKV-like) and, for a low-rank
+slow tier, the bound in the rank-r coordinates of each span's key factors (``rank_coords``). Printed per
 layer: how often the needle was in an anchor, how often a needle span was expanded, and its median rank
-and top-k hit rate under each score. Run on dev seeds only::
+and top-2 / top-``--top`` hit rates under each score; over items, the share whose needle span ranked in the
+top ``--top`` under the shipped routing at *every* layer (``top8_every_layer``), and the share of all items
+whose needle was either an anchor or so ranked (``top8_items``). Run on dev seeds only::
 
     python -m kvstate.lab.semantic.route_probe --model models/ref-attn --router models/ref-attn-sekv \\
         --length 2048 --budget 0.125 --n 20 --seed 2
@@ -31,7 +34,11 @@ from kvstate.lab.protocol import DEV_SEEDS
 from kvstate.lab.semantic.bench import compressed_cache, prefill
 from kvstate.lab.semantic.protocol import build_items
 from kvstate.semantic import SegmentConfig, SemanticConfig, SemanticRouter, semantic_attention
+from kvstate.semantic.bounds import rank_bounds, rank_upper_bound
+from kvstate.semantic.lowrank import LowRank
 from kvstate.semantic.store import SpanStore
+
+TOP = 8  # the routing target: the needle's span among the first 8 spans
 
 
 def _needle(item: Any, tokenizer: Any) -> set[int]:
@@ -49,7 +56,8 @@ def _ranks(score: torch.Tensor, targets: list[int]) -> int:
 
 
 def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, seed: int,
-          recent: int = 16, max_span: int = 32, routing: str = "bounds") -> dict[str, Any]:
+          recent: int = 16, max_span: int = 32, routing: str = "bounds", slow: str = "lowrank", bits: int = 4,
+          memory: float | None = None, top: int = TOP) -> dict[str, Any]:
     model, tokenizer = load_reference(model_dir)
     model.eval()
     router = SemanticRouter.load(router_dir, model)
@@ -69,13 +77,16 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
         return chosen
 
     per: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    every: list[float] = []  # per item whose needle fell in a span: 1 if it ranked in the top ``top`` at every layer
+    kept = 0  # items whose needle is an anchor (kept exact, nothing to route)
     SpanStore.decide, SpanStore.select = rec_decide, rec_select  # type: ignore[method-assign]
     try:
         for it in items:
             pre = prefill(model, it)
             raw = {i: layer.keys for i, layer in enumerate(pre.cache.layers) if getattr(layer, "keys", None) is not None}
             cache = compressed_cache("sekv", model, tokenizer, it, budget, router, segment, prefilled=pre,
-                                     config=SemanticConfig(budget=budget, segment=segment, routing=routing))
+                                     config=SemanticConfig(budget=budget, segment=segment, routing=routing,
+                                                                 slow=slow, bits=bits, memory=memory))  # type: ignore[arg-type]
             needle = _needle(it, tokenizer)
             seg = cache.segmentation
             spans = [(int(a), int(b)) for a, b in seg.spans]
@@ -87,6 +98,7 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
             t0 = len(it.context)
             with torch.no_grad(), semantic_attention(model):
                 model(input_ids=q, position_ids=torch.arange(t0, t0 + q.shape[1])[None], cache=work, use_cache=True)
+            hits: list[bool] = []
             for c in calls:
                 L, st = c["layer"], c["store"]
                 stats = per[L]
@@ -101,7 +113,11 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
                 bound = torch.maximum(qg[:, :, None, :] * lo[:, None], qg[:, :, None, :] * hi[:, None]).sum(-1)
                 mean = torch.stack([keys[:, a:b].mean(1) for a, b in spans], 1).float()
                 sim = torch.einsum("hgd,hsd->hgs", qg, mean)
-                scores = {f"shipped_{routing}": c["score"].amax(0), "bounds": bound.amax(1).amax(0), "mean_key": sim.amax(1).amax(0)}
+                scores = {f"shipped_{routing}": c["score"].amax(0), "bounds": bound.amax(1).amax(0),
+                          "mean_key": sim.amax(1).amax(0)}
+                if all(isinstance(e[0], LowRank) for e in st.slow[:len(spans)]):  # the bound in rank-r coordinates
+                    scores["rank_coords"] = torch.stack([rank_upper_bound(qg, e[0].b, *rank_bounds(e[0].a)).amax()
+                                                         for e in st.slow[:len(spans)]])
                 stats["expanded"].append(float(bool(c["chosen"][target].any())))
                 stats["n_chosen"].append(float(c["chosen"].sum()))
                 stats["n_spans"].append(float(len(spans)))
@@ -109,12 +125,22 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
                     r = _ranks(s, target)
                     stats[f"rank_{name}"].append(float(r))
                     stats[f"top2_{name}"].append(float(r < 2))
+                    stats[f"top{top}_{name}"].append(float(r < top))
+                    if name == f"shipped_{routing}":
+                        hits.append(r < top)
+            if hits:
+                every.append(float(all(hits)))
+            elif anchored:
+                kept += 1
     finally:
         SpanStore.decide, SpanStore.select = decide, select  # type: ignore[method-assign]
     layers = {L: {k: round(float(np.median(v)) if k.startswith(("rank_", "n_")) else float(np.mean(v)), 3)
                   for k, v in s.items() if v} for L, s in sorted(per.items())}  # ranks / counts: medians; rates: means
     return {"model": model_dir, "router": router_dir, "routing": routing, "length": length, "budget": budget,
-            "n": n, "seed": seed,
+            "n": n, "seed": seed, "recent": recent, "max_span": max_span, "slow": slow, "bits": bits, "memory": memory,
+            "top": top, "in_span": len(every), "anchored": kept,
+            f"top{top}_every_layer": round(float(np.mean(every)), 4) if every else None,
+            f"top{top}_items": round((sum(every) + kept) / max(len(every) + kept, 1), 4),
             "layers": layers}
 
 
@@ -127,11 +153,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n", type=int, default=20)
     ap.add_argument("--seed", type=int, default=DEV_SEEDS[0])
     ap.add_argument("--routing", choices=("bounds", "learned"), default="bounds")
+    ap.add_argument("--recent", type=int, default=16)
+    ap.add_argument("--max-span", type=int, default=32)
+    ap.add_argument("--slow", choices=("lowrank", "quant", "raw"), default="lowrank")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--memory", type=float, default=None)
+    ap.add_argument("--top", type=int, default=TOP)
     a = ap.parse_args(argv)
     if a.seed not in DEV_SEEDS:
         sys.exit(f"--seed {a.seed}: this probe tunes nothing but reads items; use a dev seed {list(DEV_SEEDS)}")
     torch.set_num_threads(1)
-    res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed, routing=a.routing)
+    res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed, recent=a.recent, max_span=a.max_span,
+                routing=a.routing, slow=a.slow, bits=a.bits, memory=a.memory, top=a.top)
     for L, row in res["layers"].items():
         print(f"layer {L}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
     print(json.dumps(res))
