@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 
 from kvstate.lab.harness import load_reference
 from kvstate.lab.protocol import DEV_SEEDS
+from kvstate.lab.provenance import Recorder, append_run
 from kvstate.lab.semantic.bench import compressed_cache, prefill
 from kvstate.lab.semantic.protocol import build_items
 from kvstate.semantic import SegmentConfig, SemanticConfig, SemanticRouter, semantic_attention
@@ -159,15 +161,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--memory", type=float, default=None)
     ap.add_argument("--top", type=int, default=TOP)
+    ap.add_argument("--out", type=Path, default=None, help="append the result, with its provenance, to this file")
     a = ap.parse_args(argv)
     if a.seed not in DEV_SEEDS:
         sys.exit(f"--seed {a.seed}: this probe tunes nothing but reads items; use a dev seed {list(DEV_SEEDS)}")
     torch.set_num_threads(1)
+    rec = Recorder(code=("semantic", "lab/semantic"), models=[a.model, a.router], n=a.n, seeds=[a.seed],
+                   tasks=["niah_single"], lengths=[a.length],
+                   settings={k: getattr(a, k) for k in ("budget", "routing", "recent", "max_span", "slow", "bits",
+                                                        "memory", "top")})
     res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed, recent=a.recent, max_span=a.max_span,
                 routing=a.routing, slow=a.slow, bits=a.bits, memory=a.memory, top=a.top)
     for L, row in res["layers"].items():
         print(f"layer {L}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
     print(json.dumps(res))
+    if a.out is not None:
+        append_run(a.out, res, rec.finish())
 
 
 if __name__ == "__main__":
