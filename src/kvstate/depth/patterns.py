@@ -346,46 +346,31 @@ def declared_family(layers: Sequence[LayerSpec], p_layer: Sequence[float], limit
     return found if walk(0, []) else None
 
 
-PRESETS = ("none", "cla", "top_shared", "keep")
-
-
 def preset(layers: Sequence[LayerSpec], kind: str, value: float = 0) -> SharingPattern:
-    """A preset by name: ``none``, ``cla`` (k), ``top_shared`` (n) or ``keep`` (fraction)."""
-    if kind == "none":
-        return none(layers)
-    if kind == "cla":
-        return cla(layers, int(value))
-    if kind == "top_shared":
-        return top_shared(layers, int(value))
-    if kind == "keep":
-        return keep(layers, float(value))
-    raise PatternError(f"unknown pattern kind {kind!r}; choose one of {', '.join(PRESETS)}")
+    """A preset by family name (:data:`kvstate.depth.registry.FAMILIES`: ``keep`` (fraction), ``cla`` (k),
+    ``top_shared`` (n), ``none``); an unknown name is refused listing the registry."""
+    from kvstate.depth.registry import FAMILIES
+
+    return FAMILIES.get(kind).build(layers, value)
 
 
 def for_keep(layers: Sequence[LayerSpec], kind: str, fraction: float) -> SharingPattern:
-    """The pattern of family ``kind`` (``keep``, ``cla`` or ``top_shared``) that keeps ``fraction`` of the caches."""
-    total = sum(spec.is_attention for spec in layers)
-    if kind == "keep":
-        return keep(layers, fraction)
-    if kind == "cla":
-        k = round(1 / fraction) if fraction > 0 else 0
-        if k < 1 or not math.isclose(k * fraction, 1.0, abs_tol=1e-6):
-            raise PatternError(f"cla: keep fraction {fraction!r} is not 1/k for a whole k; choose 1, 0.5, 0.25, ...")
-        pattern = cla(layers, k)
-    elif kind == "top_shared":
-        n = (1 - fraction) * total
-        if not math.isclose(n, round(n), abs_tol=1e-6) or not 0 <= round(n) < total:
-            raise PatternError(f"top_shared: keep fraction {fraction!r} of {total} attention layers is not a whole "
-                               "number of kept caches")
-        pattern = top_shared(layers, round(n))
-    else:
-        raise PatternError(f"unknown pattern kind {kind!r}; choose keep, cla or top_shared")
+    """The pattern of family ``kind`` (a registered family with a pattern per kept fraction: ``keep``, ``cla``,
+    ``top_shared``) that keeps ``fraction`` of the caches."""
+    from kvstate.depth.registry import FAMILIES, keep_families
+
+    family = FAMILIES.get(kind)
+    if family.at_keep is None:
+        raise PatternError(f"--pattern-kind {kind!r} has no pattern per kept fraction; choose one of "
+                           f"{', '.join(keep_families())}")
+    pattern = family.at_keep(layers, fraction)
     if not math.isclose(kept_fraction(pattern, layers), fraction, abs_tol=1e-6):
+        total = sum(spec.is_attention for spec in layers)
         raise PatternError(f"{kind}: keep fraction {fraction!r} is not realisable on {total} attention layers "
                            f"(the nearest {kind} pattern keeps {kept_fraction(pattern, layers):g})")
     return pattern
 
 
-__all__ = ["ATTENTION_KINDS", "PRESETS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "annealed_p",
+__all__ = ["ATTENTION_KINDS", "RECURRENT", "LayerSpec", "PatternError", "SharingPattern", "annealed_p",
            "check_in_family", "check_p", "check_p_layer", "cla", "declared_family", "draw_pattern", "draw_route", "for_keep", "format_pattern", "keep", "kept_fraction", "kv_bytes", "none",
            "parse_pattern", "preset", "top_shared"]

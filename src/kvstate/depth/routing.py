@@ -42,20 +42,17 @@ from kvstate.depth.patterns import (
     annealed_p,
     check_p,
     check_p_layer,
-    draw_pattern,
-    draw_route,
     format_pattern,
     none,
 )
-
-RULES = ("paper", "owner")  # paper: any earlier layer's own K/V; owner: an earlier owner (ablation variant)
+from kvstate.depth.registry import RULES, RoutingRule
 
 
 @dataclass(frozen=True)
 class RoutingConfig:
     p: float  # probability that a layer attends to its own K/V (1: no routing)
     seed: int = 0
-    rule: str = "paper"  # "paper" (draw_route) or "owner" (draw_pattern)
+    rule: str = "paper"  # a name in kvstate.depth.registry.RULES ("paper": draw_route, "owner": draw_pattern)
     p_layer: tuple[float, ...] | None = None  # per-layer p (replaces p); checked against the model's layers
     anneal_steps: int = 0  # p goes from 1 to the target over this many draws (0: the target from the start)
 
@@ -67,9 +64,7 @@ class RoutingConfig:
             raise PatternError(f"routing anneal_steps={self.anneal_steps!r} must be an int >= 0 (0: no annealing)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise PatternError(f"routing seed={self.seed!r} must be an int >= 0")
-        if self.rule not in RULES:
-            raise PatternError(f"routing rule={self.rule!r} is unknown; choose one of {', '.join(RULES)} (paper: a "
-                               "layer reads any earlier layer's own K/V; owner: only earlier owners)")
+        RULES.get(self.rule)  # refuses an unknown rule, listing the registry
 
 
 class StochasticKVRouting:
@@ -82,6 +77,7 @@ class StochasticKVRouting:
             p_layer = check_p_layer(p_layer, len(self.layers), "p_layer")
         self.config = RoutingConfig(check_p(p), seed, rule, p_layer, anneal_steps)
         self.model = model
+        self.rule: RoutingRule = RULES.get(rule)
         self.rng = random.Random(seed)
         self._teacher = False  # inside own_kv_pass: every layer on its own K/V, no draw consumed
         self.draws: list[SharingPattern] = []  # this object's draws, one per forward pass, in order
@@ -105,8 +101,7 @@ class StochasticKVRouting:
     def _draw(self) -> SharingPattern:
         if self._teacher:
             return none(self.layers)
-        draw = draw_route if self.config.rule == "paper" else draw_pattern
-        pattern = draw(self.layers, self.current_p(), self.rng)
+        pattern = self.rule.draw(self.layers, self.current_p(), self.rng)
         self.draws.append(pattern)
         self.drawn += 1
         return pattern
@@ -147,7 +142,7 @@ class StochasticKVRouting:
         self.drawn = drawn
 
     def __enter__(self) -> StochasticKVRouting:
-        self._ctx = routed(self.model, self._draw, own_kv=self.config.rule == "paper")
+        self._ctx = routed(self.model, self._draw, own_kv=self.rule.own_kv)
         self._ctx.__enter__()
         return self
 
@@ -156,4 +151,4 @@ class StochasticKVRouting:
         ctx.__exit__(*exc)
 
 
-__all__ = ["RULES", "RoutingConfig", "StochasticKVRouting"]
+__all__ = ["RULES", "RoutingConfig", "StochasticKVRouting"]  # RULES: the registry (kvstate.depth.registry)

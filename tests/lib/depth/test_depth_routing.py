@@ -261,7 +261,7 @@ def test_bad_input_is_one_clear_error(qwen3):
             StochasticKVRouting(qwen3, bad)
         with pytest.raises(PatternError, match="p="):
             draw_route([F, F], bad, random.Random(0))
-    with pytest.raises(PatternError, match="rule='bogus' is unknown; choose one of paper, owner"):
+    with pytest.raises(PatternError, match="--rule 'bogus' is not a registered routing rule; choose one of paper, owner"):
         StochasticKVRouting(qwen3, 0.5, rule="bogus")
     with pytest.raises(PatternError, match="seed"):
         StochasticKVRouting(qwen3, 0.5, seed=-1)

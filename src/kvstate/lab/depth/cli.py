@@ -16,6 +16,9 @@ from typing import Annotated
 
 import typer
 
+from kvstate.depth.registry import FAMILIES, keep_families
+from kvstate.depth.registry import RULES as _RULES
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Cross-layer KV sharing: train with stochastic KV routing (R-CLA), evaluate patterns.")
 
@@ -31,8 +34,7 @@ def train_command(
     tokens: Annotated[int | None, typer.Option("--tokens", help="Token budget (same batches for every run).")] = None,
     length: Annotated[int, typer.Option("--length", help="Tokens per training row.")] = 1024,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Routing seed (DDP rank r uses seed + r).")] = 0,
-    rule: Annotated[str, typer.Option(
-        "--rule", help="paper: a routed layer reads any earlier layer's own K/V; owner: an earlier owner (ablation).")] = "paper",
+    rule: Annotated[str, typer.Option("--rule", help=f"Routing rule — {_RULES.describe()}.")] = "paper",
     p_layer: Annotated[str | None, typer.Option(
         "--p-layer", help="Per-layer p, one per layer, e.g. 1,1,0.5,0.5 (replaces --p; a layer at 1 is never routed).")] = None,
     distill: Annotated[float, typer.Option(
@@ -101,7 +103,6 @@ def routing_text(depth: dict) -> str:
     return ", ".join(parts)
 
 
-PATTERN_KINDS = ("keep", "cla", "top_shared")  # kvstate.depth.patterns.for_keep's families
 # the source a depth evaluation depends on: a change here makes committed depth_eval.json files stale
 EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
              "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
@@ -111,7 +112,8 @@ EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "
 def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer.")],
     keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated.")] = "1,0.75,0.5,0.25",
-    pattern_kind: Annotated[str, typer.Option("--pattern-kind", help="keep, cla or top_shared.")] = "keep",
+    pattern_kind: Annotated[str, typer.Option(
+        "--pattern-kind", help=f"Pattern family: {', '.join(keep_families())}.")] = "keep",
     n: Annotated[int, typer.Option("--n", min=1, help="Examples per task and length.")] = 10,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the held-out examples.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
@@ -135,8 +137,10 @@ def eval_command(
     from kvstate.models.loading import load_config
 
     fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
-    if pattern_kind not in PATTERN_KINDS:
-        raise KVStateError(f"--pattern-kind {pattern_kind!r} is unknown; choose one of {', '.join(PATTERN_KINDS)}")
+    if pattern_kind not in keep_families():
+        FAMILIES.get(pattern_kind)  # unknown: refused listing the registry
+        raise KVStateError(f"--pattern-kind {pattern_kind!r} has no pattern per kept fraction; choose one of "
+                           f"{', '.join(keep_families())}")
     if not 1 <= n <= MAX_EXAMPLES:
         raise KVStateError(f"--n {n} must be in 1..{MAX_EXAMPLES:,} (examples per task and length)")
     if out is not None:

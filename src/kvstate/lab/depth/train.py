@@ -41,6 +41,7 @@ from kvstate.depth.patterns import (
     format_pattern,
     parse_pattern,
 )
+from kvstate.depth.registry import RULES
 from kvstate.errors import KVStateError
 from kvstate.io_safety import write_bytes_atomic
 from kvstate.validate import check_float, check_int
@@ -49,7 +50,6 @@ DEPTH_KEY = "depth"
 # what a depth run changes in the start model's TrainConfig: one length, constant lr, no curriculum moves
 FINE_TUNE = {"lr": 3e-4, "decay_fraction": 0.0, "warmup_steps": 20, "warmup_per_part": False,
              "stage_patience_min": 1e6, "threads": 1, "save_every_min": 3.0}
-RULES = ("paper", "owner")  # kvstate.depth.routing.RULES (not imported: that loads torch)
 # a recorded depth entry without a rule was drawn before the paper's rule existed: owner draws
 LEGACY_RULE = "owner"
 MAX_MINUTES = 7 * 24 * 60.0  # a week: a longer budget is a typo, not a plan
@@ -84,8 +84,7 @@ class DepthTrainConfig:
             check_p(self.p)
         except PatternError:
             raise PatternError(f"--p {self.p!r} must be a number in [0, 1] (1: every layer keeps its own K/V)") from None
-        if self.rule not in RULES:
-            raise PatternError(f"--rule {self.rule!r} is unknown; choose one of {', '.join(RULES)}")
+        RULES.get(self.rule)  # an unknown rule is refused listing the registry
         if self.minutes is None and self.tokens is None:
             raise KVStateError("depth train: pass --minutes M or --tokens N (the training budget)")
         if self.minutes is not None:
