@@ -137,7 +137,7 @@ def lora(model: Any, tensors: dict[str, torch.Tensor], cfg: AdapterConfig) -> It
 
     def hook(a: torch.Tensor, b: torch.Tensor) -> Any:
         def fn(_mod: Any, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-            return out + scale * ((args[0].to(a.dtype) @ a.T) @ b.T).to(out.dtype)
+            return torch.as_tensor(out + scale * ((args[0].to(a.dtype) @ a.T) @ b.T).to(out.dtype))
         return fn
 
     try:

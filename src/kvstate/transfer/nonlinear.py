@@ -82,7 +82,7 @@ def fit_linear(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
     x1 = torch.cat([x.double(), torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
     reg = ridge * x1.shape[0] * torch.eye(x1.shape[1], dtype=torch.float64)
     reg[-1, -1] = 0.0
-    return torch.linalg.solve(x1.T @ x1 + reg, x1.T @ y.double()).float()
+    return torch.as_tensor(torch.linalg.solve(x1.T @ x1 + reg, x1.T @ y.double())).float()
 
 
 def fit_map(x: torch.Tensor, y: torch.Tensor, cfg: MapConfig) -> dict[str, torch.Tensor]:
@@ -183,7 +183,8 @@ class KVMaps:
             raise MapError(f"KVMaps: no map for layer {layer}; these maps cover layers {list(self.layers)}")
         t = {p: self.tensors[f"{layer}.{p}"] for p in MAP_PARTS}
         y = apply_map(t, torch.cat([code.float(), embed.float()], 1))
-        k, v = y.split(self.n_kv_heads * self.head_dim, dim=1)
+        c = self.n_kv_heads * self.head_dim
+        k, v = y[:, :c], y[:, c:]
         return (k.reshape(-1, self.n_kv_heads, self.head_dim), v.reshape(-1, self.n_kv_heads, self.head_dim))
 
     def identity(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from kvstate.transfer.states import build_cache, capture_inputs, geometry, proje
 from kvstate.validate import check_int, check_token_ids
 
 METHOD = "scd_recompute"
+RECOMPUTE_VERSION = 1
 EMBED, RECOMPUTE, PROJECT, REUSE, MAPPED = "E", "C", "J", "R", "M"
 
 
@@ -188,6 +190,8 @@ class RecomputeCodec:
         if self.config.layer > 0:
             z = (resid[self.config.layer][0].float() - self.tensors["b.mu"]) @ self.tensors["b.enc"]
             out.update({f"b.{self.config.layer}.{p}": q for p, q in quantize_codes(z, bits).items()})
+        if not out:  # every layer comes from the consumer itself (layer 0 recomputed on a two-layer model)
+            out["empty"] = torch.zeros(1, dtype=torch.uint8)
         meta = {"method": METHOD, "modes": modes, "bits": str(bits), "recompute": str(self.config.layer)}
         return Payload(self.pair, t, ids_hash(input_ids[0].tolist()), out, meta)
 
@@ -281,6 +285,55 @@ class RecomputeCodec:
         return build_cache(consumer, *self.decode_layers(consumer, payload, token_ids, check))
 
 
+    # --- files ------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """One safetensors file: the boundary tensors, the nonlinear maps' (``maps.*``) and the identity (the
+        SCD codec's pair, the config, the maps' identity) in its metadata; ships next to the SCD codec."""
+        from safetensors.torch import save_file
+
+        meta = {"version": RECOMPUTE_VERSION, "scd_pair": self.scd.pair.hex(), "config": asdict(self.config),
+                "maps": None if self.maps is None else self.maps.identity(), "info": self.info, "pair": self.pair.hex()}
+        tensors = {**self.tensors, **({f"maps.{k}": v for k, v in self.maps.tensors.items()} if self.maps else {})}
+        p = Path(path)
+        save_file({k: v.contiguous() for k, v in tensors.items()} or {"none": torch.zeros(1)}, p,
+                  metadata={"kvstate": json.dumps(meta, sort_keys=True)})
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path, scd: Codec) -> RecomputeCodec:
+        """The codec saved at ``path``; :class:`CodecError` if it was calibrated on another SCD codec (another
+        pair) or its content does not match its recorded identity."""
+        from kvstate.transfer.nonlinear import MapError, read_artifact
+
+        fix = "recalibrate it with kvstate.transfer.recompute.calibrate_recompute"
+        try:
+            meta, tensors = read_artifact(path, "recompute-codec", fix)
+        except MapError as exc:
+            raise CodecError(str(exc)) from None
+        try:
+            if meta["version"] != RECOMPUTE_VERSION:
+                raise CodecError(f"recompute codec {str(path)!r} has version {meta['version']}; this kvstate reads "
+                                 f"{RECOMPUTE_VERSION}; {fix}")
+            if meta["scd_pair"] != scd.pair.hex():
+                raise CodecError(f"recompute codec {str(path)!r} was calibrated for another SCD codec / model pair "
+                                 f"({meta['scd_pair'][:12]}…, this codec is {scd.pair.hex()[:12]}…); {fix}")
+            c = meta["config"]
+            cfg = RecomputeConfig(c["layer"], c["rank"], c["bits"], MapConfig(**c["map"]))
+            maps = None
+            if meta["maps"] is not None:
+                m = meta["maps"]
+                maps = KVMaps(m["producer_fp"], m["consumer_fp"], m["codec_pair"], m["n_kv_heads"], m["head_dim"],
+                              m["hidden_size"], tuple(m["layers"]),
+                              {k[5:]: v for k, v in tensors.items() if k.startswith("maps.")}, MapConfig(**m["config"]))
+            own = {k: v for k, v in tensors.items() if k.startswith("b.")}
+            codec = cls(cfg, scd, own, maps, meta.get("info") or {})
+        except (KeyError, TypeError) as exc:
+            raise CodecError(f"{str(path)!r} is not a kvstate recompute-codec file ({exc!r}); {fix}") from None
+        if codec.pair.hex() != meta.get("pair"):
+            raise CodecError(f"recompute codec {str(path)!r}: its tensors do not match its recorded identity; {fix}")
+        return codec
+
+
 def _pca(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean (hidden,), encoder (hidden, rank)) of the top-``rank`` principal directions of ``x`` (N, hidden)."""
     mu = x.mean(0)
@@ -326,8 +379,9 @@ def calibrate_recompute(producer: Any, consumer: Any, scd: Codec, prompts: Seque
     for lay in cands:
         RecomputeConfig(lay, min(rank, g.hidden_size), bits, map_cfg).check(g.n_layers, g.hidden_size)
     RecomputeConfig(0, rank, bits).check(g.n_layers, g.hidden_size)
-    if len(prompts) < 4:
-        raise CodecError(f"calibrate_recompute: {len(prompts)} prompts; pass at least 4 (a quarter is held out)")
+    if len(prompts) < 2 or any(ids.shape[1] <= suffix + 1 for ids in prompts):
+        raise CodecError(f"calibrate_recompute: pass at least 2 prompts (a quarter, at least one, is held out), each "
+                         f"longer than suffix + 1 = {suffix + 1} tokens")
     tick = progress or (lambda _s: None)
     n_hold = max(1, len(prompts) // 4)
     fit, hold = prompts[:-n_hold], prompts[-n_hold:]
@@ -346,6 +400,7 @@ def calibrate_recompute(producer: Any, consumer: Any, scd: Codec, prompts: Seque
                 rc[i].append(gc[i][0].float())
             embs.append(consumer_embed(consumer, ids).float())
     emb = torch.cat(embs)
+    rank = min(rank, g.hidden_size, emb.shape[0])  # no more principal directions than the data has
     kl: dict[int, float] = {}
     codecs: dict[int, RecomputeCodec] = {}
     for lay in cands:

@@ -4,14 +4,18 @@ decodes the consumer's cache; the profile keeps the layer of lowest KL; bad laye
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvstate.models.tiny import tiny_model
 from kvstate.transfer import PayloadError
+from kvstate.transfer import methods as registry
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec, CodecError
-from kvstate.transfer.nonlinear import MapConfig
+from kvstate.transfer.methods import MethodContext, MethodError
+from kvstate.transfer.nonlinear import MapConfig, train_kv_maps
 from kvstate.transfer.payload import Payload
 from kvstate.transfer.recompute import (
     RecomputeCodec,
@@ -150,3 +154,30 @@ def test_payload_without_the_boundary_code_or_for_another_codec_is_refused(model
         rc.decode(c, relayered, ids[0].tolist())
     with pytest.raises(CodecError, match="another consumer"):
         rc.decode(p, payload, ids[0].tolist())
+
+
+def test_saved_codec_round_trips_and_is_refused_for_another_pair(models: tuple, pair_codec: Codec,
+                                                                 self_codec: Codec, tmp_path: Path) -> None:
+    p, c = models
+    maps = train_kv_maps(p, c, pair_codec, _prompts(), [0, 3], MapConfig(steps=20, hidden=16))
+    rc = calibrate_recompute(p, c, pair_codec, _prompts(), rank=16, map_cfg=MapConfig(steps=20, hidden=16),
+                             layers=[1], maps=maps, suffix=8)
+    assert rc.modes == "ECJM"
+    path = rc.save(tmp_path / "rc.safetensors")
+    back = RecomputeCodec.load(path, pair_codec)
+    assert back.pair == rc.pair and back.config == rc.config and back.modes == rc.modes
+    ids = _prompts(1, 24, seed=7)[0]
+    payload = rc.encode(p, ids)
+    ka, _ = rc.decode_layers(c, payload, ids[0].tolist())
+    kb, _ = back.decode_layers(c, payload, ids[0].tolist())
+    assert all(torch.equal(x, y) for x, y in zip(ka, kb, strict=True))
+    with pytest.raises(CodecError, match="calibrated for another SCD codec"):
+        RecomputeCodec.load(path, self_codec)
+    m = registry.get("scd_recompute_nonlinear")
+    with pytest.raises(CodecError, match="calibrated for another SCD codec"):
+        m.check(MethodContext(codec=self_codec, options={"artifact": str(path)}))
+    with pytest.raises(MethodError, match="needs its trained artifact"):
+        m.encode(p, ids, MethodContext(codec=pair_codec))
+    with pytest.raises(MethodError, match="is not a scd_recompute codec"):  # a nonlinear artifact for the linear one
+        registry.get("scd_recompute").check(MethodContext(codec=pair_codec, options={"artifact": str(path)}))
+    assert m.recomputed_layers(MethodContext(codec=pair_codec, options={"artifact": str(path)})) == (1,)
