@@ -112,11 +112,12 @@ def plan(
     import numpy as np
 
     from kvstate.lab.workloads.traces import overlap_weights, read_trace
-    from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints
+    from kvstate.prefix.placement import expected_recompute, plan_checkpoints, planner_names
 
     if (weights is None) == (trace is None):
         raise KVStateError("pass exactly one of --weights FILE.npy or --trace FILE.jsonl.")
-    methods = parse_names(",".join(method), "--method", list(METHODS), example="optimal,block") if method else list(METHODS)
+    names = list(planner_names())  # the registry: an unknown --method lists it
+    methods = parse_names(",".join(method), "--method", names, example="optimal,block") if method else names
     if plot_path is not None:
         check_output_file(plot_path, "--plot")
         if plot_path.suffix.lower() not in PLOT_SUFFIXES:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvstate.errors import BudgetError, KVStateError
-from kvstate.prefix.eviction import Policy
-from kvstate.prefix.placement import METHODS
+from kvstate.prefix.eviction import policy_names
+from kvstate.prefix.placement import planner_names
 from kvstate.prefix.remote import check_remote_url
 from kvstate.validate import check_float, check_int
 
@@ -20,9 +20,9 @@ from kvstate.validate import check_float, check_int
 class PrefixCacheConfig:
     budget_bytes: int  # one byte budget over attention KV, recurrent states and stored logits
     slots_per_entry: int = 8  # planned recurrent checkpoints per request path (end states are extra)
-    planner: str = "optimal"  # a placement method of kvstate.prefix.placement
+    planner: str = "optimal"  # a registered planner (kvstate.prefix.placement.PLANNERS)
     align: int | None = None  # checkpoint grid (None: the model's chunk size)
-    policy: str = "lru"  # eviction: "lru" or "utility"
+    policy: str = "lru"  # a registered eviction policy (kvstate.prefix.eviction.POLICIES): "lru", "utility"
     alpha: float = 1.0  # utility policy weight of recompute FLOPs saved per byte
     block_size: int = 64  # the "block" planner's spacing
     state_device: str | None = None  # keep stored tensors here (e.g. "cpu" for a RAM tier); None: the model's
@@ -39,10 +39,12 @@ class PrefixCacheConfig:
         # type and range first: a NaN budget never evicts, a True slot count slips through int()
         check_int("budget_bytes", self.budget_bytes, 1, error=BudgetError, hint="; pass the byte budget as an int")
         check_int("slots_per_entry", self.slots_per_entry, 0, 2**20, error=BudgetError)
-        if self.planner not in METHODS:
-            raise KVStateError(f"planner={self.planner!r} is not one of {sorted(METHODS)}.")
-        if self.policy not in {p.value for p in Policy}:
-            raise KVStateError(f"policy={self.policy!r} is not one of {[p.value for p in Policy]}.")
+        if self.planner not in planner_names():
+            raise KVStateError(f"planner={self.planner!r} is not a registered planner; choose one of "
+                               f"{', '.join(planner_names())}")
+        if self.policy not in policy_names():
+            raise KVStateError(f"policy={self.policy!r} is not a registered eviction policy; choose one of "
+                               f"{', '.join(policy_names())}")
         if self.align is not None:
             check_int("align", self.align, 1, 2**31 - 1, error=KVStateError, hint="; None uses the model's chunk size")
         check_float("alpha", self.alpha, 0.0, 1e12, error=KVStateError)

@@ -40,7 +40,6 @@ from kvstate.models import (
 )
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.events import CacheEvents
-from kvstate.prefix.eviction import Policy
 from kvstate.prefix.placement import plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
 from kvstate.prefix.segments import build_cache, kv_segment, split_segment, to_device
@@ -121,7 +120,7 @@ class SparsePrefixCache:
                 logits_bytes=vocab * dtype.itemsize,
                 has_recurrent=has_rec,
                 has_attention=has_attn,
-                policy=Policy(cfg.policy),
+                policy=cfg.policy,
                 alpha=cfg.alpha,
                 flops_per_token=2.0 * n_params,
                 placement=cfg.placement,

@@ -6,9 +6,10 @@ the deepest checkpoint ``l(t; C) = max({0} ∪ {c in C: c <= t})`` and recompute
 tokens. Given overlap-depth weights ``w_t`` (t = 0..N) we minimise ``sum_t w_t r(t; C)``
 (the one-sided weighted k-median on a line).
 
-Methods: ``optimal`` (exact DP, Theorem 2), ``balanced`` (even spacing, optimal for uniform weights,
-Theorem 1) and the paper's baselines ``block``, ``log``, ``sqrt``, plus ``junction`` (Marconi-style:
-checkpoint the most frequent overlap depths).
+Methods (planners, registered objects in ``PLANNERS``; :func:`register_planner` adds one, :func:`get_planner`
+looks one up and lists the registry for an unknown name): ``optimal`` (exact DP, Theorem 2), ``balanced`` (even
+spacing, optimal for uniform weights, Theorem 1) and the paper's baselines ``block``, ``log``, ``sqrt``, plus
+``junction`` (Marconi-style: checkpoint the most frequent overlap depths).
 
 The exact DP works on savings instead of cost. With ``G(c) = sum_{t >= c} w_t`` and ``c_0 = 0``,
 ``sum_t w_t l(t; C) = sum_k (c_k - c_{k-1}) G(c_k)`` (Abel summation), so with ``f_m[j]`` the best
@@ -42,7 +43,8 @@ Ignores: admission/eviction across entries (that is the store's job) and prefix 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -52,7 +54,6 @@ from kvstate.prefix.envelope import tangent_points
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
-METHODS: tuple[str, ...] = ("optimal", "balanced", "block", "log", "sqrt", "junction")
 MAX_PLAN_BYTES = 4 * 2**30  # the exact planner's back-pointers beyond this are refused before allocating
 
 
@@ -123,33 +124,97 @@ def plan_checkpoints(
 
     Only ``optimal`` and ``junction`` read the weights.
     """
+    planner = get_planner(method)
     w = _weights(weights)
     n = w.size - 1
     _check_slots_align(slots, align, n)
-    if method not in METHODS:
-        raise ValueError(f"method: unknown {method!r}; choose one of {', '.join(METHODS)}")
-    slots, align = int(slots), int(align)
-    if slots == 0:
+    if int(slots) == 0:
         return []
-    grid_size = n // align
-    if method == "optimal":
-        return _optimal(w, slots, align)
-    if method == "balanced":
-        return _balanced(n, slots, align)
-    if method == "block":
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise ValueError(f"block_size: must be an int >= 1 (tokens per block), got {block_size!r}")
-        step = -(-int(block_size) // align) * align  # round up to the grid
-        return list(range(step, n + 1, step))[:slots]
-    if method == "log":
-        dyadic = [align << k for k in range(grid_size.bit_length())]  # align * 2^k <= N
-        return dyadic[-slots:]
-    if method == "sqrt":
-        step = math.isqrt(n)
-        step += step * step < n  # ceil(sqrt N)
-        step = -(-step // align) * align
-        return list(range(step, n + 1, step))[:slots]
-    return _junction(w, slots, align)
+    bad_block = isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1
+    if bad_block and "block_size" in planner.options:  # the option is checked only where it is read
+        raise ValueError(f"block_size: must be an int >= 1 (tokens per block), got {block_size!r}")
+    return planner.plan(w, int(slots), int(align), 0 if bad_block else int(block_size))
+
+
+PlanFn = Callable[[FloatArray, int, int, int], list[int]]  # (scaled weights, slots >= 1, align, block_size)
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A checkpoint placement method: ``plan(weights, slots, align, block_size)`` -> sorted positions in ``1..N``.
+
+    ``weights`` are validated and scaled to sum 1; ``slots >= 1`` and ``align`` in ``1..N`` are checked before
+    the call. ``reads_weights``: whether the plan depends on the overlap histogram (else it is fixed by N).
+    """
+
+    name: str
+    plan: PlanFn
+    reads_weights: bool
+    about: str  # one line for a CLI's choices
+    options: tuple[str, ...] = ()  # keyword options of plan_checkpoints it reads (e.g. "block_size")
+
+
+PLANNERS: dict[str, Planner] = {}
+
+
+def register_planner(planner: Planner) -> Planner:
+    """Add a planner to the registry (a name already taken is refused); returns it."""
+    if not isinstance(planner, Planner) or not planner.name or planner.name in PLANNERS:
+        raise ValueError(f"register_planner: {getattr(planner, 'name', planner)!r} is not a new Planner name "
+                         f"(registered: {', '.join(PLANNERS)})")
+    PLANNERS[planner.name] = planner
+    return planner
+
+
+def unregister_planner(name: str) -> None:
+    """Remove a planner (tests registering a toy one)."""
+    PLANNERS.pop(name, None)
+
+
+def get_planner(name: str) -> Planner:
+    """The registered planner called ``name``; an unknown name lists the registry (ValueError)."""
+    if not isinstance(name, str) or name not in PLANNERS:
+        raise ValueError(f"method: unknown {name!r}; choose one of {', '.join(PLANNERS)}")
+    return PLANNERS[name]
+
+
+def planner_names() -> tuple[str, ...]:
+    """Registered planner names, in registration order (the CLI's choices)."""
+    return tuple(PLANNERS)
+
+
+def _plan_block(w: FloatArray, slots: int, align: int, block_size: int) -> list[int]:
+    n = w.size - 1
+    step = -(-int(block_size) // align) * align  # round up to the grid
+    return list(range(step, n + 1, step))[:slots]
+
+
+def _plan_log(w: FloatArray, slots: int, align: int, block_size: int) -> list[int]:
+    grid_size = (w.size - 1) // align
+    dyadic = [align << k for k in range(grid_size.bit_length())]  # align * 2^k <= N
+    return dyadic[-slots:]
+
+
+def _plan_sqrt(w: FloatArray, slots: int, align: int, block_size: int) -> list[int]:
+    n = w.size - 1
+    step = math.isqrt(n)
+    step += step * step < n  # ceil(sqrt N)
+    step = -(-step // align) * align
+    return list(range(step, n + 1, step))[:slots]
+
+
+for _p in (
+    Planner("optimal", lambda w, m, a, b: _optimal(w, m, a), True, "exact minimum of the expected recompute (DP)"),
+    Planner("balanced", lambda w, m, a, b: _balanced(w.size - 1, m, a), False,
+            "even stretches; optimal for uniform weights"),
+    Planner("block", _plan_block, False, "every multiple of block_size", ("block_size",)),
+    Planner("log", _plan_log, False, "dyadic positions align * 2^k, the deepest"),
+    Planner("sqrt", _plan_sqrt, False, "every multiple of ceil(sqrt N)"),
+    Planner("junction", lambda w, m, a, b: _junction(w, m, a), True, "Marconi-style: the most frequent depths"),
+):
+    register_planner(_p)
+
+METHODS: tuple[str, ...] = planner_names()  # the built-in planners (the registry may grow: use planner_names())
 
 
 def expected_recompute(weights: npt.ArrayLike, positions: Iterable[int]) -> float:

@@ -128,7 +128,7 @@ class StoreConfig:
     logits_bytes: int = 0
     has_recurrent: bool = True
     has_attention: bool = True
-    policy: Policy = Policy.LRU
+    policy: str = Policy.LRU.value  # a registered eviction policy (kvstate.prefix.eviction.POLICIES)
     alpha: float = 1.0  # utility policy weight of FLOP efficiency
     flops_per_token: float = 1.0
     placement: str = "path"  # "path": line planner per request path; "tree": exact DP over a subtree

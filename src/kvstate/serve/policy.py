@@ -40,9 +40,17 @@ def _longest_prefix(waiting: Sequence[Waiting]) -> list[Waiting]:
     return sorted(waiting, key=lambda w: (-w.cached_tokens, w.order))
 
 
-POLICIES: dict[str, Callable[[Sequence[Waiting]], list[Waiting]]] = {
-    "fifo": _fifo,
-    "longest-prefix": _longest_prefix,
+@dataclass(frozen=True)
+class Admission:
+    """A registered admission order: ``order(waiting)`` -> the waiting requests, first to admit first."""
+
+    order: Callable[[Sequence[Waiting]], list[Waiting]]
+    reads_cache: bool  # it reads Waiting.cached_tokens (the scheduler asks the prefix cache only then)
+
+
+POLICIES: dict[str, Admission] = {
+    "fifo": Admission(_fifo, reads_cache=False),
+    "longest-prefix": Admission(_longest_prefix, reads_cache=True),
 }
 
 
@@ -65,4 +73,9 @@ class BatchPolicy:
         room = self.max_batch - running
         if room <= 0:
             return []
-        return POLICIES[self.name](waiting)[:room]
+        return POLICIES[self.name].order(waiting)[:room]
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether admission reads how many prompt tokens the prefix cache would restore."""
+        return POLICIES[self.name].reads_cache

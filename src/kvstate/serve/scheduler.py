@@ -176,8 +176,8 @@ class Scheduler:
         return picked
 
     def _cached(self, job: Job) -> int:
-        """Prompt tokens the prefix cache would restore for ``job`` (only the longest-prefix policy asks)."""
-        if self.policy.name != "longest-prefix" or self.gen is None or self.gen.cache is None:
+        """Prompt tokens the prefix cache would restore for ``job`` (only a policy that reads the cache asks)."""
+        if not self.policy.reads_cache or self.gen is None or self.gen.cache is None:
             return 0
         ids = torch.tensor([job.request.prompt_ids], device=self.gen.device)
         return int(self.gen.cache.lookup(ids, full_state=True).position)

@@ -22,10 +22,11 @@ from kvstate.lab.report.html import Figure, Section, Table, pct, pivot, run_row
 from kvstate.lab.workloads.traces import WORKLOADS
 from kvstate.models import checkpoint_bytes, qwen35_08b_config, segmented_prefill, tiny_model
 from kvstate.prefix.engine import SparsePrefixCache
-from kvstate.prefix.placement import METHODS, plan_checkpoints
+from kvstate.prefix.placement import plan_checkpoints, planner_names
 
 BUDGETS = [1, 2, 4, 8, 16, 32]
 ALIGN = 64  # Qwen3.5's Gated DeltaNet chunk size
+HIGHLIGHT = "optimal"  # the planner drawn bold in the savings plot
 PAPER = "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"
 TECHNIQUE = "position (sparse prefix caching)"
 CAPTURE_MAX = 1.10  # capture overhead target: x a plain prefill
@@ -48,14 +49,14 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     best_gain = (-1.0, "", 0)
     for ax, wl in zip(axes[0], WORKLOADS, strict=True):
         w = workload_weights(wl, n_requests=N_REQUESTS, seed=0)
-        table = savings_table(w, wl, BUDGETS, METHODS, ALIGN)
-        for method in METHODS:
+        table = savings_table(w, wl, BUDGETS, planner_names(), ALIGN)
+        for method in planner_names():
             pts = [r for r in table if r.method == method]
             ax.plot([r.slots for r in pts], [100 * r.saved_fraction for r in pts], marker="o", ms=3,
-                    color=plots.color(method), lw=2.2 if method == "optimal" else 1, label=method)
+                    color=plots.color(method), lw=2.2 if method == HIGHLIGHT else 1, label=method)
         for m in BUDGETS:
             by = {r.method: r.saved_fraction for r in table if r.slots == m}
-            best_base = max(v for k, v in by.items() if k != "optimal")
+            best_base = max(v for k, v in by.items() if k != HIGHLIGHT)
             cells, wins = cells + 1, wins + (by["optimal"] >= best_base - 1e-12)
             if by["optimal"] - best_base > best_gain[0]:
                 best_gain = (by["optimal"] - best_base, wl, m)
@@ -70,7 +71,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         match_rows.append([wl, pct(frac), n_block, n_opt, e_block, e_opt, f"{e_block * ck / 2**30:.2f}",
                            f"{e_opt * ck / 2**30:.2f}"])
         summary[wl] = {
-            "saved_fraction": {m: [r.saved_fraction for r in table if r.method == m] for m in METHODS},
+            "saved_fraction": {m: [r.saved_fraction for r in table if r.method == m] for m in planner_names()},
             "block64_checkpoints": n_block,
             "optimal_checkpoints_to_match": n_opt,
             "per_entry_block64_checkpoints": e_block,

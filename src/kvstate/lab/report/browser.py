@@ -132,13 +132,13 @@ class _DevTools:
 def _errors(events: list[dict[str, Any]]) -> list[str]:
     out = []
     for e in events:
-        method, p = e.get("method"), e.get("params", {})
-        if method == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert", "warning"):
+        event, p = e.get("method"), e.get("params", {})
+        if event == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert", "warning"):
             out.append(f"console.{p['type']}: " + " ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
-        elif method == "Runtime.exceptionThrown":
+        elif event == "Runtime.exceptionThrown":
             d = p.get("exceptionDetails", {})
             out.append(f"exception: {d.get('exception', {}).get('description') or d.get('text')}")
-        elif method == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
+        elif event == "Log.entryAdded" and p.get("entry", {}).get("level") == "error":
             entry = p["entry"]
             out.append(f"{entry.get('source')}: {entry.get('text')} {entry.get('url', '')}".strip())
     return out
@@ -167,8 +167,8 @@ def check_page(page: Path, width: int = 1400, height: int = 900, screenshot: Pat
             tools = _DevTools(from_parent, to_parent, time.monotonic() + timeout_s)
             target = tools.call("Target.createTarget", {"url": "about:blank"})["targetId"]
             session = tools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
-            for method in ("Runtime.enable", "Log.enable", "Page.enable"):
-                tools.call(method, session=session)
+            for domain in ("Runtime.enable", "Log.enable", "Page.enable"):
+                tools.call(domain, session=session)
             tools.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
                                                              "deviceScaleFactor": 1, "mobile": False}, session)
             tools.call("Page.navigate", {"url": page.resolve().as_uri()}, session)
