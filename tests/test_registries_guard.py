@@ -13,6 +13,7 @@ meant to shrink to nothing; a registry's own module (where names are defined) is
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvstate"
@@ -90,7 +91,7 @@ def offenders(path: Path) -> list[str]:
         if not isinstance(node, ast.Compare):
             continue
         operands = [node.left, *node.comparators]
-        for op, (a, b) in zip(node.ops, zip(operands, operands[1:], strict=False), strict=True):
+        for op, (a, b) in zip(node.ops, itertools.pairwise(operands), strict=True):
             if not isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)):
                 continue
             eq = isinstance(op, (ast.Eq, ast.NotEq))
