@@ -28,8 +28,6 @@ REGISTRIES: set[str] = {
 
 # files that still compare names outside a registry: each is a debt, remove the entry when it is paid
 ALLOWED: dict[str, str] = {
-    # depth: the routing rule "paper" picks the draw function; a routing-rule registry would own it
-    "depth/routing.py": "config.rule == 'paper' selects draw_route / own_kv",
     # across models: a payload's recorded method is checked on decode (a format check, but a name compared)
     "transfer/codec.py": "payload.meta['method'] != 'scd' on decode",
 }
