@@ -185,3 +185,15 @@ def test_bench_rows_have_unique_names_and_the_table_order(pair: tuple) -> None:
     assert {"reuse_pca_producer", "reuse", "scd", "scd_k1", "scd_k2"} <= set(rows)
     k2 = registry.get("scd").bench_rows(ctx)["scd_k2"]
     assert k2.option("patch") == "0,1"
+
+
+def test_serving_a_transfer_needs_no_lab() -> None:
+    """The library's serve / generate / methods commands and every registered method import nothing from the lab."""
+    import subprocess
+    import sys
+
+    code = ("import sys, typer; import kvstate.transfer.cli as c; from kvstate.transfer import methods as m; "
+            "m.names(); c.register_commands(typer.Typer()); "
+            "print(sorted(k for k in sys.modules if k.startswith('kvstate.lab')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
