@@ -72,3 +72,30 @@ def test_cli_refuses_an_out_of_family_pattern_in_one_line(start, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1, err
     assert "layer 1 reads layer 1 but the model was trained on the fixed pattern '0_0_2_2'" in err
+
+
+def test_report_decides_the_worst_pattern_targets():
+    from kvstate.lab.depth.section import CONTROL, KV1, RCLA, headline
+    from kvstate.lab.provenance import Artifact
+
+    def row(keep, pattern, items, ppl=10.0, **extra):
+        n = len(items)
+        return {"keep": keep, "pattern": pattern, "ppl": ppl, "ppl_ci": [ppl - 0.1, ppl + 0.1],
+                "score": sum(items) / n, "score_ci": [0.0, 1.0], "kv_bytes_per_token": 4096 * keep, "items": items,
+                "text_nll": [[ppl, 100]] * 4, **extra}
+
+    good, bad = [1.0] * 100, [1.0] * 50 + [0.0] * 50
+    fam = {"0_0_2_2": {"score": 1.0, "items": good}, "0_0_2_0": {"score": 0.5, "items": bad}}
+    r5 = row(0.5, "0_0_2_2", good, family_patterns=fam, mean_score=0.75, worst_score=0.5,
+             worst_score_ci=[0.4, 0.6], worst_pattern="0_0_2_0")
+    res = {RCLA: [row(1.0, "0_1_2_3", good), r5], KV1: [row(1.0, "0_1_2_3", good)],
+           CONTROL: [row(1.0, "0_1_2_3", good)]}
+    arts = {n: Artifact(f"models/{n}/depth_eval.json", "cmd", "current", "", {"results": rows}, 1)
+            for n, rows in res.items()}
+    rows = {h.target: h for h in headline(res, arts)}
+    worst = rows["R-CLA keep 0.5: needle >= 0.90 on the worst pattern of its declared family"]
+    assert worst.status == "missed" and "0_0_2_0" in worst.measured  # [0.4, 0.6] lies below 0.90
+    assert rows["R-CLA's declared family holds >= 2 distinct keep-0.5 patterns (one fixed pattern is CLA2)"].met
+    paired = rows["R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)"]
+    assert paired.status == "missed" and "-47.0 points" in paired.measured  # 0.5 + 0.03 - 1.0, paired
+    assert "R-CLA keep 0.5 perplexity <= 1.03 x the no-routing control's keep 1 (paired)" in rows
