@@ -89,3 +89,18 @@ def test_kivi_below_its_2_bit_minimum_names_the_minimum_that_fits():
         _kivi(0.05)
     need = float(str(err.value).split("budget >= ")[1][:6]) + 1e-4
     assert _kivi(need)[2].bits == 2
+
+
+def test_kivi_quantizes_its_residual_a_group_at_a_time_while_decoding():
+    model, ids, cache = _kivi(0.3)
+    st0 = [layer.store.n_quant for layer in cache.semantic_layers]
+    with torch.no_grad(), semantic_attention(model):
+        for i in range(70):
+            model(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[ids.shape[1] + i]]), cache=cache,
+                  use_cache=True)
+    for layer, n0 in zip(cache.semantic_layers, st0, strict=True):
+        st = layer.store
+        assert st.n_quant == n0 + 2 * GROUP and st.anchor_k.shape[2] == 8 + 70 - 2 * GROUP < 8 + GROUP
+        assert st.n_quant + st.anchor_k.shape[2] == ids.shape[1] + 70
+    b = cache.byte_counts()
+    assert b.total_bytes <= 0.3 * b.full_bytes  # the fed tokens did not push it past its budget

@@ -7,8 +7,9 @@ token (asymmetric, :mod:`kvstate.semantic.quant`), except a full-precision resid
 codes, ranges and residual fit ``budget`` x the full KV of the context — so a row at budget ``b`` holds at
 most what any other method holds at memory ``b`` — and a budget below the 2-bit minimum is refused naming
 it. What is held is what a pass reads (KIVI's kernels read the codes): resident = total = attended = the
-codes, ranges and exact tokens (:mod:`kvstate.semantic.accounting`). Tokens fed after compression stay
-exact. Ignored: KIVI's re-quantization of the residual once it fills a group, and its fused kernels (here the
+codes, ranges and exact tokens (:mod:`kvstate.semantic.accounting`). Tokens fed after compression join the
+residual, whose oldest group is quantized once it holds a group beyond ``recent``, so the bytes stay near the
+budget while decoding. Ignored: KIVI's fused kernels (here the
 dequantized context is kept beside the codes between passes, a CPU-speed shortcut equal to dequantizing at
 every pass and not counted as held).
 """
@@ -45,7 +46,9 @@ class KiviStore:
     q_v: list[QuantValues]  # per group
     anchor_k: torch.Tensor  # (1, H, A, D) the exact residual + tokens fed since compression
     anchor_v: torch.Tensor
-    n_quant: int  # context tokens held quantized
+    n_quant: int  # tokens held quantized
+    bits: int
+    recent: int  # the exact residual's least size
     expanded: list[float] = field(default_factory=list)  # unused: nothing is read back
     reads: list[int] = field(default_factory=list)
     full_at: list[int] = field(default_factory=list)
@@ -71,8 +74,18 @@ class KiviStore:
         return (self.n_quant + self.anchor_k.shape[2]) * self.token_bytes
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, *_: Any) -> None:
+        """Fed tokens join the exact residual; once it holds a group beyond ``recent`` (and beyond this pass's
+        tokens, which attend causally among themselves), its oldest group is quantized, as KIVI does."""
         self.anchor_k = torch.cat([self.anchor_k, keys], 2)
         self.anchor_v = torch.cat([self.anchor_v, values], 2)
+        while self.anchor_k.shape[2] - GROUP >= max(self.recent, keys.shape[2]):
+            k, v = self.anchor_k[0, :, :GROUP], self.anchor_v[0, :, :GROUP]
+            lo, hi = key_bounds(k)
+            self.q_k.append((quantize_keys(k, lo, hi, self.bits), lo.contiguous(), hi.contiguous()))
+            self.q_v.append(quantize_values(v, self.bits))
+            self.anchor_k, self.anchor_v = self.anchor_k[:, :, GROUP:], self.anchor_v[:, :, GROUP:]
+            self.n_quant += GROUP
+            self._dq = None
 
     def _context(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self._dq is None:
@@ -121,7 +134,8 @@ class KiviCache(SemanticCache):
                 lo, hi = key_bounds(kg)
                 q_k.append((quantize_keys(kg, lo, hi, bits), lo.contiguous(), hi.contiguous()))
                 q_v.append(quantize_values(vg, bits))
-            layer.store = KiviStore(q_k, q_v, layer.keys[:, :, n:].contiguous(), layer.values[:, :, n:].contiguous(), n)
+            layer.store = KiviStore(q_k, q_v, layer.keys[:, :, n:].contiguous(), layer.values[:, :, n:].contiguous(), n,
+                                      bits, exact)
             layer.keys = layer.values = None
         self.bits = bits
         return None
