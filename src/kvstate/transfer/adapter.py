@@ -170,8 +170,7 @@ def train_adapter(producer_fp: str, consumer: Any, codec_pair: str,
                   progress: Callable[[str], None] | None = None) -> Adapter:
     """Train an adapter for ``consumer`` to answer from ``transfer(prefix ids (1, T'))`` — the codec's consumer
     keys (pre-rotary) / values per layer — on ``prompts`` (each (1, T), ending with its answer)."""
-    from kvstate.transfer.nonlinear import kl_div, kl_tune
-    from kvstate.transfer.recompute import _Frozen, suffix_logits
+    from kvstate.transfer.nonlinear import Frozen, kl_div, kl_tune, suffix_logits
 
     if not prompts:
         raise AdapterError("train_adapter: no prompts; pass calibration prompts ending with their answers")
@@ -194,7 +193,7 @@ def train_adapter(producer_fp: str, consumer: Any, codec_pair: str,
         with lora(consumer, tensors, cfg):
             return kl_div(ref, suffix_logits(consumer, keys, values, ids, cut))
 
-    with _Frozen(consumer):
+    with Frozen(consumer):
         kl_tune(list(tensors.values()), loss, cfg.steps, cfg.lr,
                 (lambda s: progress(s) if s.split("/")[0].endswith("0") else None) if progress else None)
     return Adapter(producer_fp, model_fingerprint(consumer), codec_pair, cfg,

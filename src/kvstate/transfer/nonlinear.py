@@ -143,6 +143,32 @@ def kl_tune(params: Iterable[torch.Tensor], loss_fn: Callable[[int], torch.Tenso
     return losses
 
 
+class Frozen:
+    """Context: ``model``'s parameters stop requiring grad (a loss through a frozen model)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.was = model, [p.requires_grad for p in model.parameters()]
+
+    def __enter__(self) -> None:
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    def __exit__(self, *_exc: object) -> None:
+        for p, w in zip(self.model.parameters(), self.was, strict=True):
+            p.requires_grad_(w)
+
+
+def suffix_logits(consumer: Any, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
+                  cut: int) -> torch.Tensor:
+    """Logits (T - cut, V) of ``ids[:, cut:]`` over a cache of ``keys`` / ``values`` (differentiable)."""
+    from kvstate.transfer.states import build_cache
+
+    cache = build_cache(consumer, keys, values)
+    out = consumer(input_ids=ids[:, cut:], position_ids=torch.arange(cut, ids.shape[1])[None], cache=cache,
+                   use_cache=True)
+    return torch.as_tensor(out.logits[0]).float()
+
+
 @dataclass
 class KVMaps:
     """Per-layer nonlinear maps: (a layer's REUSE code, the consumer's token embedding) -> consumer K/V."""
@@ -260,8 +286,9 @@ def train_kv_maps(producer: Any, consumer: Any, codec: Any, prompts: Sequence[to
         tensors.update({f"{i}.{k}": v for k, v in fitted.items()})
         if progress:
             progress(f"map layer {i}")
-    return KVMaps(model_fingerprint(producer), model_fingerprint(consumer), codec.pair.hex(), g.n_kv_heads,
+    maps = KVMaps(model_fingerprint(producer), model_fingerprint(consumer), codec.pair.hex(), g.n_kv_heads,
                   g.head_dim, g.hidden_size, tuple(layers), tensors, cfg)
+    return kl_tune_kv_maps(maps, producer, consumer, codec, prompts, progress=progress) if cfg.kl_steps else maps
 
 
 @torch.inference_mode()
@@ -289,6 +316,47 @@ def decode_reuse(maps: KVMaps, codec: Any, consumer: Any, payload: Any,
     return keys, values
 
 
+def kl_tune_kv_maps(maps: KVMaps, producer: Any, consumer: Any, codec: Any, prompts: Sequence[torch.Tensor],
+                    suffix: int = 16, progress: Callable[[str], None] | None = None) -> KVMaps:
+    """Fine-tune every layer's map at once on the consumer's next-token KL over the last ``suffix`` tokens of
+    ``prompts`` given the cache the maps decode (the codec's linear decoders at layers without a map); both
+    models frozen, ``maps.config.kl_steps`` Adam steps at ``kl_lr``."""
+    from kvstate.transfer.states import prefill_states
+
+    cfg, g = maps.config, codec.geometry
+    data = []
+    with torch.inference_mode():
+        for ids in prompts:
+            cut = ids.shape[1] - suffix
+            if cut < 1:
+                raise MapError(f"kl_tune_kv_maps: a prompt of {ids.shape[1]} tokens is not longer than suffix={suffix}")
+            ref = prefill_states(consumer, ids).logits[cut:].clone()
+            ps = prefill_states(producer, ids[:, :cut])
+            emb = consumer.model.embed_tokens(ids[:, :cut])[0].float().clone()
+            codes = {i: reuse_code(codec, i, ps.k[i].float(), ps.v[i].float()).clone() for i in maps.layers}
+            lin_k, lin_v = codec.decode_layers(consumer, codec.encode(producer, ids[:, :cut], patch=(), check=False),
+                                               check=False)
+            data.append((ids, cut, ref, emb, codes, [k.clone() for k in lin_k], [v.clone() for v in lin_v]))
+    params = {k: v.clone() for k, v in maps.tensors.items()}
+    gen = torch.Generator().manual_seed(cfg.seed + 17)
+    c = g.n_kv_heads * g.head_dim
+
+    def loss(_step: int) -> torch.Tensor:
+        ids, cut, ref, emb, codes, lin_k, lin_v = data[int(torch.randint(0, len(data), (1,), generator=gen))]
+        keys, values = list(lin_k), list(lin_v)
+        for i in maps.layers:
+            y = apply_map({p: params[f"{i}.{p}"] for p in MAP_PARTS}, torch.cat([codes[i], emb], 1))
+            keys[i] = y[:, :c].reshape(-1, g.n_kv_heads, g.head_dim)
+            values[i] = y[:, c:].reshape(-1, g.n_kv_heads, g.head_dim)
+        return kl_div(ref, suffix_logits(consumer, keys, values, ids, cut))
+
+    trainable = [params[f"{i}.{p}"] for i in maps.layers for p in ("w_lin", "w1", "b1", "w2", "b2")]
+    with Frozen(consumer):
+        kl_tune(trainable, loss, cfg.kl_steps, cfg.kl_lr, progress)
+    return KVMaps(maps.producer_fp, maps.consumer_fp, maps.codec_pair, maps.n_kv_heads, maps.head_dim,
+                  maps.hidden_size, maps.layers, {k: v.detach().clone() for k, v in params.items()}, cfg)
+
+
 def reuse_code(codec: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The SCD codec's REUSE code (T, H * (rank_k + rank_v)) of a layer's producer keys / values (T, H, D)."""
     w = codec.tensors
@@ -299,5 +367,5 @@ def reuse_code(codec: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> torc
     return torch.cat(out, 1)
 
 
-__all__ = ["KVMaps", "MapConfig", "MapError", "apply_map", "decode_reuse", "fit_linear", "fit_map", "kl_div", "kl_tune",
-           "read_artifact", "reuse_code", "train_kv_maps"]
+__all__ = ["Frozen", "KVMaps", "MapConfig", "MapError", "apply_map", "decode_reuse", "fit_linear", "fit_map", "kl_div",
+           "kl_tune", "kl_tune_kv_maps", "read_artifact", "reuse_code", "suffix_logits", "train_kv_maps"]

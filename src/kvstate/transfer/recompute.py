@@ -45,6 +45,7 @@ from kvstate.models.rotary import rotary_tables
 from kvstate.transfer.codec import KV_LIMIT, Codec, CodecError
 from kvstate.transfer.nonlinear import (
     MAP_PARTS,
+    Frozen,
     KVMaps,
     MapConfig,
     apply_map,
@@ -52,6 +53,7 @@ from kvstate.transfer.nonlinear import (
     kl_div,
     kl_tune,
     reuse_code,
+    suffix_logits,
 )
 from kvstate.transfer.payload import Payload, PayloadError, ids_hash
 from kvstate.transfer.quant import quantize_codes
@@ -341,30 +343,6 @@ def _pca(x: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return mu, vh[:rank].T.float().contiguous()
 
 
-class _Frozen:
-    """Context: ``model``'s parameters stop requiring grad (a loss through a frozen model)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.was = model, [p.requires_grad for p in model.parameters()]
-
-    def __enter__(self) -> None:
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-
-    def __exit__(self, *_exc: object) -> None:
-        for p, w in zip(self.model.parameters(), self.was, strict=True):
-            p.requires_grad_(w)
-
-
-def suffix_logits(consumer: Any, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
-                  cut: int) -> torch.Tensor:
-    """Logits (T - cut, V) of ``ids[:, cut:]`` over a cache of ``keys`` / ``values`` (differentiable)."""
-    cache = build_cache(consumer, keys, values)
-    out = consumer(input_ids=ids[:, cut:], position_ids=torch.arange(cut, ids.shape[1])[None], cache=cache,
-                   use_cache=True)
-    return torch.as_tensor(out.logits[0]).float()
-
-
 def calibrate_recompute(producer: Any, consumer: Any, scd: Codec, prompts: Sequence[torch.Tensor], rank: int = 128,
                         bits: int = 8, map_cfg: MapConfig | None = None, layers: Sequence[int] | None = None,
                         maps: KVMaps | None = None, suffix: int = 16,
@@ -462,7 +440,7 @@ def _kl_tune_boundary(codec: RecomputeCodec, producer: Any, consumer: Any, promp
         keys, values = codec.assemble(consumer, payload, ids, params)
         return kl_div(ref, suffix_logits(consumer, keys, values, ids, cut))
 
-    with _Frozen(consumer):
+    with Frozen(consumer):
         kl_tune([params[p] for p in ("w1", "b1", "w2", "b2", "w_lin")], loss, cfg.kl_steps, cfg.kl_lr,
                 lambda s: tick(s) if s.endswith("0") else None)
     tensors = {**codec.tensors, **{f"b.{p}": v.detach().clone() for p, v in params.items()}}

@@ -3,6 +3,7 @@ the best linear map cannot; maps trained for another pair or codec are refused; 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,8 @@ from kvstate.transfer.nonlinear import (
     fit_map,
     kl_div,
     kl_tune,
+    kl_tune_kv_maps,
+    suffix_logits,
     train_kv_maps,
 )
 from kvstate.transfer.payload import PayloadError
@@ -130,3 +133,22 @@ def test_maps_for_another_pair_or_codec_are_refused(trio: tuple, tmp_path: Path)
     with pytest.raises(MapError, match="no map for layer 5"):
         maps.apply(5, torch.zeros(1, 1), torch.zeros(1, 1))
     assert isinstance(codec, Codec)
+
+
+def test_kl_tuning_lowers_the_consumers_kl_given_the_mapped_cache(trio: tuple) -> None:
+    p, c, codec, _ = trio
+    prompts = _prompts(4)
+
+    def kl(m: KVMaps) -> float:
+        tot = 0.0
+        for ids in prompts:
+            with torch.inference_mode():
+                ref = prefill_states(c, ids).logits[40:]
+                keys, values = decode_reuse(m, codec, c, codec.encode(p, ids[:, :40], patch=()), ids[0].tolist())
+                tot += float(kl_div(ref, suffix_logits(c, keys, values, ids, 40)))
+        return tot
+
+    shrunk = train_kv_maps(p, c, codec, prompts, [0, 1], MapConfig(steps=0, ridge=0.3))  # a poor start: heavy ridge
+    shrunk = replace(shrunk, config=MapConfig(steps=0, ridge=0.3, kl_steps=80, kl_lr=1e-3))
+    tuned = kl_tune_kv_maps(shrunk, p, c, codec, prompts, suffix=8)
+    assert kl(tuned) < 0.7 * kl(shrunk) and tuned.identity() == shrunk.identity()
