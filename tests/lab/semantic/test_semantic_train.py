@@ -84,7 +84,8 @@ def test_report_section_reads_results(tmp_path):
     hybrid = _run(None, {("full", 1.0): ones, ("sekv", 0.25): ones, ("window", 0.25): [0.0] * 10}, "h")
     append_run(tmp_path / "ref-hybrid-sekv" / "eval.json", hybrid, Recorder(code=EVAL_CODE).finish())
     stale = build(tmp_path, tmp_path)  # the headline file is stale; the current hybrid row keeps its verdict
-    assert {h.status for h in stale.headline[:-1]} == {"stale"} and stale.headline[-1].status == "met"
+    # the headline file is stale; the memory-target files are missing (named); the current hybrid row keeps its verdict
+    assert {h.status for h in stale.headline[:-1]} == {"stale", "missing"} and stale.headline[-1].status == "met"
     (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps({"model": "m", "results": []}))
     empty = build(tmp_path, tmp_path)  # no rows at all in the headline file: the hybrid rows still show
     assert [h.status for h in empty.headline] == ["stale", "met"] and empty.tables[0].title.startswith("ref-hybrid")
@@ -106,3 +107,26 @@ def test_report_section_reads_results(tmp_path):
     assert (tmp_path / "semantic_acc_vs_attended.png").is_file() and (tmp_path / "semantic_acc_vs_total.png").is_file()
     assert any(t.title.startswith("Methods not run") and t.rows[0][0] == "snap_kv_press" for t in sec.tables)
     assert sec.summary["points"]["quest@0.125"]["accuracy"] == 0.5
+
+
+def test_report_decides_the_memory_targets_from_their_own_files(tmp_path):
+    from kvstate.lab.provenance import Recorder, append_run
+    from kvstate.lab.semantic.cli import EVAL_CODE
+    from kvstate.lab.semantic.section import _bounds_targets, _memory_targets
+
+    ones, half = [1.0] * 100, [1.0, 0.0] * 50
+    (tmp_path / "ref-attn-sekv").mkdir()
+    assert [h.measured for h in _bounds_targets(tmp_path)][0].startswith("missing")  # no file yet: named, not met
+    run = _run(None, {("full", 1.0): ones, ("sekv", 0.25): ones, ("sekv", 0.125): ones, ("quest", 0.125): half})
+    append_run(tmp_path / "ref-attn-sekv" / "eval_bounds.json", run, Recorder(code=EVAL_CODE).finish())
+    by = {h.target: h for h in _bounds_targets(tmp_path)}
+    acc = by["8:1 reads, memory <= 0.3, 2K: SEKV >= 0.90 (solved tasks, pooled)"]
+    assert acc.status == "met" and acc.ci[0] >= 0.9
+    assert by["8:1, 2048: SEKV within 3 points of Quest-like (paired)"].measured.startswith("+50.0 points")
+    cap = by["SEKV total bytes <= 0.3 x full (every tier)"]
+    assert cap.kind == "check" and not cap.met  # the synthetic SEKV holds 0.4: a failing check shows
+    run = _run(None, {("full", 1.0): ones, ("sekv_fresh", 0.0625): ones, ("streaming", 0.0625): half})
+    append_run(tmp_path / "ref-attn-sekv" / "eval_16x.json", run, Recorder(code=EVAL_CODE).finish())
+    (row,) = _memory_targets(tmp_path)
+    assert row.measured.startswith("sekv_fresh vs streaming: +50.0 points") and row.status == "met"
+    assert "kvpress presses not run" in row.measured
