@@ -166,7 +166,7 @@ def recorder(e: Experiment, command: str | None = None) -> Any:
                                                "experiment": e.name, "kind": e.kind, "repeats": e.repeats})
 
 
-def preflight(out: Path, e: Experiment, provenance: Mapping[str, Any]) -> None:
+def preflight(out: Path, provenance: Mapping[str, Any]) -> None:
     """Refuse now (before any work) a run the seed ledger would refuse when it is written under ``models/``."""
     from kvstate.lab import ledger
 
@@ -275,7 +275,7 @@ def run(e: Experiment, measure: Callable[[Cell], Measurement], *, out: Path | No
     rec = recorder(e, command)
     if out is not None:
         check_results_out(out, overwrite=overwrite)
-        preflight(out, e, rec.finish())
+        preflight(out, rec.finish())
     from kvstate.lab.progress import progress_bar
 
     todo = cells(e)

@@ -197,3 +197,58 @@ def _replay_server(server: str, baseline: str | None, trace: Path, limit: int | 
     table_console(as_json).print(table)
     if as_json:
         print_json({"server": server, "trace": str(trace), "result": r.as_json()})
+
+
+def _grid(value: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in value.split(",") if item.strip()]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 or p[0] < 1 or p[1] < 1 for p in pairs):
+        raise KVStateError(f"--grid {value!r}: pass budget:slots pairs, e.g. 1073741824:8,33554432:2")
+    return tuple((p[0], p[1]) for p in pairs)
+
+
+@app.command("replay-bench")
+def replay_bench_command(
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Result file the run is appended to (models/ref-hybrid/prefix_replay.json: a fresh test seed).")
+    ] = None,
+    requests: Annotated[int, typer.Option("--requests", min=1, help="Requests per workload.")] = 200,
+    scale: Annotated[float, typer.Option("--scale", min=1e-4, help="Multiply every trace length.")] = 0.125,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Trace seed: < 1000 tuning; a result under models/ "
+                                      "takes a fresh test seed (models/seeds_used.json).")] = 0,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Interleaved timing repeats (>= 5 for a "
+                                         "timing target).")] = 5,
+    declare: Annotated[bool, typer.Option("--declare", help="Requests declare where they part.")] = False,
+    no_example: Annotated[bool, typer.Option("--no-example", help="Skip the 12-request example.")] = False,
+    planners: Annotated[str, typer.Option("--planners", help="Registered planners, comma-separated (an unknown "
+                                          "name lists the registry).")] = "optimal,balanced",
+    workloads: Annotated[str, typer.Option("--workloads", help="Comma-separated workloads.")] =
+        "quality,narrativeqa,system_prompts,chat",
+    placement: Annotated[str | None, typer.Option("--placement", help="Compare placements instead, e.g. path,tree "
+                                                  "(planner: the first of --planners).")] = None,
+    grid: Annotated[str, typer.Option("--grid", help="budget:slots pairs for --placement, comma-separated.")] =
+        "1073741824:8",
+    no_baseline: Annotated[bool, typer.Option("--no-baseline", help="Skip the no-cache prefills.")] = False,
+    model_dir: Annotated[Path, typer.Option("--model", help="The model directory.")] = Path("models/ref-hybrid"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh (drop its runs).")] = False,
+) -> None:
+    """The replay benchmark the report reads: workloads x planners through the engine (or tree vs path placement)."""
+    from kvstate.lab.lists import parse_names
+    from kvstate.lab.prefix.bench import WORKLOADS, ReplayBench, run_bench
+    from kvstate.lab.workloads.traces import WORKLOADS as KNOWN
+    from kvstate.prefix.placement import planner_names
+
+    bench = ReplayBench(
+        requests=requests, scale=scale, seed=seed, repeats=repeats, declare=declare, example=not no_example,
+        planners=tuple(parse_names(planners, "--planners", list(planner_names()), example="optimal,balanced")),
+        workloads=tuple(parse_names(workloads, "--workloads", list(KNOWN), example=",".join(WORKLOADS[:2]))),
+        placement=tuple(parse_names(placement, "--placement", ["path", "tree"], example="path,tree"))
+        if placement else (),
+        grid=_grid(grid), baseline=not no_baseline, model=model_dir)
+    run_bench(bench, out, overwrite=overwrite)
+
+
+if __name__ == "__main__":  # `python -m kvstate.lab.prefix.cli replay-bench ...`: imports only this axis's modules,
+    app()  # so a result's executed-file digest does not go stale when another axis's command line changes

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstate.lab import stats
 from kvstate.lab.prefix.evaluate import match_block, match_block_per_entry, savings_table, workload_weights
 from kvstate.lab.prefix.timing import bench_model, measure_engine
 from kvstate.lab.report import plots
-from kvstate.lab.report.html import Figure, Section, Table, pct, pivot, run_row
+from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, check_row, pct, pivot, run_row
 from kvstate.lab.workloads.traces import WORKLOADS
 from kvstate.models import checkpoint_bytes, qwen35_08b_config, segmented_prefill, tiny_model
 from kvstate.prefix.engine import SparsePrefixCache
@@ -35,7 +36,7 @@ RESTORE_MAX = 0.10  # restore time / time saved
 LOGIT_TOL = 1e-4  # fp32 resumed vs full prefill
 EXACT_FAMILIES = ("qwen3_5", "bamba")  # a hybrid with Gated DeltaNet, a hybrid with Mamba2
 N_REQUESTS = 400  # seeded requests per workload
-TIMING_TOKENS, TIMING_REPEATS = 1024, 3  # prompt length and interleaved rounds of the engine timing
+TIMING_TOKENS, TIMING_REPEATS = 1024, 5  # prompt length and interleaved rounds of the engine timing (>= 5)
 
 
 def build(out_dir: Path, models_dir: Path) -> Section:
@@ -90,15 +91,17 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     summary["exactness"] = ex = resume_exactness()
     sp = summary.get("system_prompts", {})
     headline = [
-        run_row(TECHNIQUE, "exact DP placement saves >= every baseline at every budget",
-                    f"{wins} of {cells} workload × budget cells", wins == cells),
-        run_row(TECHNIQUE, f"capturing checkpoints during prefill costs <= {CAPTURE_MAX:.2f}× a plain prefill",
-                    f"{t['capture_ratio']:.3f}×", t["capture_ratio"] <= CAPTURE_MAX),
-        run_row(TECHNIQUE, f"resumed prefill = full prefill (fp32 max |Δ logit| <= {LOGIT_TOL:.0e}; bf16 "
-                    "bit-identical at chunk-aligned checkpoints)",
-                    f"{ex['fp32_max_abs_logit_diff']:.1e} fp32; bf16 "
-                    + ("bit-identical" if ex["bf16_bit_identical"] else "differs"),
-                    ex["fp32_max_abs_logit_diff"] <= LOGIT_TOL and ex["bf16_bit_identical"] and ex["reused_tokens"] > 0),
+        check_row(TECHNIQUE, "exact DP placement saves >= every baseline at every budget", wins == cells,
+                  "the DP is the exact optimum over the grid (Theorem 2); a baseline is one point of that grid",
+                  f"{wins} of {cells} workload × budget cells"),
+        _capture_row(t),
+        check_row(TECHNIQUE, f"resumed prefill = full prefill (fp32 max |Δ logit| <= {LOGIT_TOL:.0e}; bf16 "
+                  "bit-identical at chunk-aligned checkpoints)",
+                  ex["fp32_max_abs_logit_diff"] <= LOGIT_TOL and ex["bf16_bit_identical"] and ex["reused_tokens"] > 0,
+                  "a resumed pass recomputes the same arithmetic from the restored state (an exactness check of "
+                  "the code, not a result)",
+                  f"{ex['fp32_max_abs_logit_diff']:.1e} fp32; bf16 "
+                  + ("bit-identical" if ex["bf16_bit_identical"] else "differs")),
         run_row(TECHNIQUE, f"wall-clock saved is linear in tokens restored (R² >= {R2_MIN:.2f})",
                     f"R² = {t['fit_r2']:.3f}", t["fit_r2"] >= R2_MIN),
         run_row(TECHNIQUE, f"restoring a checkpoint costs <= {RESTORE_MAX:.0%} of the time it saves",
@@ -149,6 +152,15 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         headline=headline,
         summary=summary,
     )
+
+
+def _capture_row(t: dict[str, Any]) -> HeadlineRow:
+    """Capture overhead decided on the spread of its per-round ratios (median of >= 5 interleaved rounds)."""
+    target = f"capturing checkpoints during prefill costs <= {CAPTURE_MAX:.2f}× a plain prefill"
+    est = stats.timing(t["capture_ratios"], what="capture / plain prefill")
+    status = stats.decide(est.lo, est.hi, CAPTURE_MAX, higher_is_better=False)
+    return run_row(TECHNIQUE, target, f"{est.value:.3f}×", status=status, ci=(est.lo, est.hi), timing=True,
+                   repeats=est.n, n=est.n)
 
 
 def _engine_timing(out_dir: Path) -> tuple[Table, Figure, dict[str, Any]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,7 @@ class EngineTiming:
     capture_ratio: float  # prefill with checkpoint capture / plain prefill
     fit_r2: float  # linear fit of time saved vs tokens saved
     restore_overhead_max: float  # max over c of restore time / time saved
+    capture_ratios: list[float] = field(default_factory=list)  # capture / plain per interleaved round (the spread)
 
     def as_json(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -79,5 +80,6 @@ def measure_engine(model: Any, n: int = 2048, align: int = 64, slots: int = 8, r
     resid = saved - (slope * tokens + intercept)
     r2 = 1.0 - float((resid**2).sum() / max(((saved - saved.mean()) ** 2).sum(), 1e-30))
     overheads = [r / s for r, s in zip(restore[1:], saved[1:], strict=True) if s > 0]
+    rounds = [c / p for c, p in zip(times["capture"], times["plain"], strict=True)]
     return EngineTiming(n, depths, resume, restore, med["capture"] / med["plain"], r2,
-                        max(overheads) if overheads else float("nan"))
+                        max(overheads) if overheads else float("nan"), rounds)
