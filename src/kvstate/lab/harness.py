@@ -24,12 +24,15 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from kvstate.errors import KVStateError, ModelLoadError
+from kvstate.errors import KVStateError
 from kvstate.lab.decode import DecodeResult, forward_at, greedy_decode
 from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
 from kvstate.lab.scoring import score
 from kvstate.lab.workloads.tasks import DEPTH_TASKS, TASKS, Example, generate, min_length
 from kvstate.models.accounting import cache_nbytes
+from kvstate.models.loading import (
+    MissingTokenizerError as MissingTokenizerError,  # re-export: one loader, in models
+)
 
 CacheFactory = Callable[[Any], Any]  # model -> a fresh transformers Cache for one example
 SCORED_TASKS = tuple(t for t in TASKS if t != "text")  # tasks with an answer to score
@@ -49,10 +52,6 @@ class LengthTooShortError(KVStateError):
 
 class LengthTooLongError(KVStateError):
     """A context length beyond the model's position limit (or beyond any sensible evaluation)."""
-
-
-class MissingTokenizerError(ModelLoadError):
-    """A model directory without the tokenizer files ``save_pretrained`` writes."""
 
 
 @dataclass(frozen=True)
@@ -254,18 +253,9 @@ def perplexity(model: Any, tokenizer: Any, length: int, n: int, seed: int) -> fl
 
 def load_reference(model_dir: str | Path, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) of a local model directory; raises if it holds no tokenizer."""
-    from transformers import AutoTokenizer
-
-    from kvstate.models.loading import load_model
+    from kvstate.models.loading import load_model, load_tokenizer
 
     p = Path(model_dir)
     model = load_model(p, dtype)
-    if not ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()):
-        raise MissingTokenizerError(f"model directory {str(p)!r} has no tokenizer (tokenizer.json / tokenizer_config.json); "
-                                    "save one with tokenizer.save_pretrained(dir), e.g. "
-                                    "kvstate.lab.workloads.build_tokenizer().save_pretrained(dir)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise MissingTokenizerError(f"the tokenizer in {str(p)!r} could not be loaded: {exc}") from exc
+    tokenizer = load_tokenizer(p)
     return model, tokenizer

@@ -128,3 +128,30 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None) -> Any:
             raise ModelLoadError(f"weights in {str(p)!r} hold NaN or inf in {name!r}; the model is unusable — "
                                  "restore a good copy or retrain")
     return model.eval()
+
+
+class MissingTokenizerError(ModelLoadError):
+    """A model directory without the tokenizer files ``save_pretrained`` writes, or one that does not load."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer saved next to a model (``tokenizer.json`` / ``tokenizer_config.json``), offline.
+
+    The one loader the server and the lab share; a directory without one, or one that does not load, is one
+    :class:`MissingTokenizerError` naming the fix.
+    """
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise MissingTokenizerError(f"{str(p)!r} holds no tokenizer (tokenizer.json / tokenizer_config.json); save "
+                                    "one with tokenizer.save_pretrained(DIR) next to the model")
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise MissingTokenizerError(f"the tokenizer in {str(p)!r} could not be loaded "
+                                    f"({' '.join(str(exc).split())[:300]}); re-save it with "
+                                    "tokenizer.save_pretrained(DIR)") from None

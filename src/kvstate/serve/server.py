@@ -14,26 +14,11 @@ from __future__ import annotations
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
-from kvstate.errors import KVStateError, ModelLoadError
+from kvstate.errors import KVStateError
 from kvstate.models import load_model
+from kvstate.models.loading import load_tokenizer
 from kvstate.serve.config import ServeConfig
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The tokenizer saved next to a model (``tokenizer.json`` / ``tokenizer_config.json``), offline."""
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ModelLoadError(f"{str(p)!r} holds no tokenizer (tokenizer.json / tokenizer_config.json); save one "
-                             "with tokenizer.save_pretrained(DIR) next to the model")
-    try:
-        return AutoTokenizer.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"the tokenizer in {str(p)!r} could not be loaded ({' '.join(str(exc).split())[:300]}); "
-                             "re-save it with tokenizer.save_pretrained(DIR)") from None
 
 
 def check_port(host: str, port: int) -> None:
