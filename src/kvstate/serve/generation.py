@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvstate.models import ResumableCache, segmented_prefill
+from kvstate.models.decode import forward_at
 from kvstate.models.families import text_config
 from kvstate.serve.sampling import Sampler, SamplingParams
 from kvstate.serve.text import TextStream
@@ -191,12 +192,9 @@ class Generator:
         return int(tokens * sc.kv_bytes_per_token + sc.checkpoint_bytes + sc.logits_bytes)
 
     def _forward(self, ids: list[int], start: int, cache: Any) -> torch.Tensor:
-        """Feed ``ids`` at positions ``start..``; the last position's logits ``(1, V)``."""
-        x = torch.tensor([ids], device=self.device)  # (1, t)
-        positions = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)  # (1, t)
-        out = self.model(input_ids=x, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
-        logits: torch.Tensor = out.logits[:, -1]  # (1, V)
-        return logits
+        """Feed ``ids`` at positions ``start..``; the last position's logits ``(1, V)`` (the one decode step,
+        :func:`kvstate.models.decode.forward_at`)."""
+        return forward_at(self.model, cache, ids, start, last_only=True, device=self.device)
 
     def begin(self, req: GenerationRequest, emit: Callable[[Delta], None], cancelled: Callable[[], bool]) -> Decoding:
         return Decoding(self, req, emit, cancelled)
