@@ -289,7 +289,8 @@ PILOT_COMMAND = ("kvstate depth pilot --ckpt runs/pilots/ckpt/NAME-{1,2,3} --n 5
 
 
 def pilot_rows(path: Path) -> list[dict[str, Any]]:
-    """The newest row per checkpoint of the committed pilot file, with the run's ``n``; [] when absent."""
+    """One row per checkpoint of the committed pilot file (the largest ``n``, then the newest), with the run's
+    ``n``; [] when absent."""
     from kvstate.lab.provenance import read_runs
 
     if not path.is_file():
@@ -297,7 +298,8 @@ def pilot_rows(path: Path) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for run in read_runs(path):
         for r in run.get("rows", []):
-            rows[r["ckpt"]] = {**r, "n": run["n"], "seed": run["seed"]}
+            if r["ckpt"] not in rows or run["n"] >= rows[r["ckpt"]]["n"]:
+                rows[r["ckpt"]] = {**r, "n": run["n"], "seed": run["seed"]}
     return sorted(rows.values(), key=lambda r: (r["option"], r["tokens"]))
 
 
