@@ -251,6 +251,10 @@ def test_the_front_is_decided_with_intervals_on_both_axes_at_equal_length(tmp_pa
     assert front({"kivi4": 38})[0].status == "undecided"
     # kivi4 faster and decidedly better: SCD is dominated
     assert front({"kivi4": 38, "scd": 20, "oracle": 38})[0].status == "missed"
+    # an oracle that solves no task at 8K (a consumer fine-tuned at 2K): quality ranks nothing there, not decided
+    _write(tmp_path / "m", _bench({"oracle": 30}, lengths=(1024, 8128)))
+    row = _rows(build(tmp_path / "out", tmp_path / "m"))[what]
+    assert row.status == "undecided" and "the oracle solves no task at 8,128 tokens" in row.measured
 
 
 def test_front_status_needs_a_decided_advantage_against_every_rival_the_oracle_included() -> None:

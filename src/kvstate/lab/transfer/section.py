@@ -309,11 +309,13 @@ def pareto_points(bench: dict[str, Any], ttft: dict[str, Any], key: str, length:
                   mode: str) -> dict[str, dict[str, Any]]:
     """``method -> {t, t_lo, t_hi, score, ci, items}`` at one rate and TTFT length: time from the TTFT file, quality
     at the matching bench length (:func:`bench_length`) on the cells the oracle solves there; {} when the bench
-    has no such length."""
+    has no such length or the oracle solves no task there (quality cannot rank anything)."""
     at = bench_length(bench, length)
     if at is None:
         return {}
     by, ref = pooled(bench, (at,)), reference(bench)
+    if ref not in by or not by[ref]["tasks"]:
+        return {}
     out = {}
     for (m, n, k), c in ttft_cells(ttft).items():
         if n == length and k == key and m in by:
@@ -420,6 +422,12 @@ def ttft_targets(ttft: dict[str, Any], bench: dict[str, Any] | None, art: Artifa
         measured = sorted({int(r.get("length") or 0) for r in bench["results"]})
         rows.append(artifact_row(art, TECHNIQUE, front_what, f"quality not measured at {length:,} tokens (the bench "
                                  f"has {', '.join(f'{x:,}' for x in measured)}): not decided", status="undecided"))
+        return rows
+    solved = pooled(bench, (at,)).get(reference(bench)) or {"tasks": [], "excluded": {}}
+    if not solved["tasks"]:
+        rows.append(artifact_row(art, TECHNIQUE, front_what, f"the oracle solves no task at {at:,} tokens ("
+                                 + ", ".join(f"{k} {v:.2f}" for k, v in solved["excluded"].items())
+                                 + "): quality cannot rank the methods there; not decided", status="undecided"))
         return rows
     _, pr = pareto_rows(bench, ttft)
     warm = [r for r in pr if r["mode"] == "warm" and "scd" in r["status"]]
