@@ -14,7 +14,7 @@ Ignores: tools and documents templates render outside the messages (pass them th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,34 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], what: str, **
     return [int(i) for i in ids]
 
 
+def message_ends_in(renderings: Iterable[Sequence[int] | None], prompt: Sequence[int], *, whole: bool,
+                    below: int | None = None) -> list[int]:
+    """The one rule for where messages end in a rendered prompt (the server's and :func:`chat_boundaries`).
+
+    ``renderings[k - 1]`` is the token ids of the first ``k`` messages rendered alone (``None``: the template
+    refused that prefix). The end of message ``k`` is how far that rendering agrees with ``prompt``: the whole
+    rendering when ``whole`` (a rendering that is not a prefix of the prompt gives no position: a template
+    that rewrites earlier messages yields fewer positions, never wrong ones), else its common prefix with the
+    prompt (closing tokens that differ are not counted). Positions are kept strictly increasing, in
+    ``1..below - 1`` (default: ``1..len(prompt)``).
+    """
+    limit = len(prompt) + 1 if below is None else below
+    out: list[int] = []
+    for ids in renderings:
+        if ids is None:
+            continue
+        end = 0
+        for a, b in zip(ids, prompt, strict=False):
+            if a != b:
+                break
+            end += 1
+        if whole and end != len(ids):
+            continue
+        if 0 < end < limit and end > (out[-1] if out else 0):
+            out.append(end)
+    return out
+
+
 def chat_boundaries(
     tokenizer: Any, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any
 ) -> tuple[torch.Tensor, list[int]]:
@@ -52,14 +80,7 @@ def chat_boundaries(
         )
     full = _render(tokenizer, messages, "the conversation", **template_kwargs)
     partial = {k: v for k, v in template_kwargs.items() if k not in ("add_generation_prompt", "continue_final_message")}
-    boundaries: list[int] = []
-    for k in range(1, len(messages) + 1):
-        ids = _render(tokenizer, messages[:k], f"the first {k} message(s)", **partial)
-        end = 0
-        for a, b in zip(ids, full, strict=False):
-            if a != b:
-                break
-            end += 1
-        if end > (boundaries[-1] if boundaries else 0):
-            boundaries.append(end)
+    renderings = (_render(tokenizer, messages[:k], f"the first {k} message(s)", **partial)
+                  for k in range(1, len(messages) + 1))
+    boundaries = message_ends_in(renderings, full, whole=False)
     return torch.tensor([full], dtype=torch.long), boundaries

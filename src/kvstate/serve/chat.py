@@ -27,6 +27,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from kvstate.prefix.chat import message_ends_in
 from kvstate.serve.protocol import RequestError
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -72,14 +73,14 @@ def render(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], ge
 
 
 def message_ends(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], prompt: Sequence[int]) -> list[int]:
-    """Positions in ``(0, len(prompt) - 1)`` where a message of ``messages`` ends in ``prompt``'s tokens."""
-    n = len(prompt)
-    out: list[int] = []
-    for k in range(1, len(messages) + 1):
+    """Positions in ``(0, len(prompt) - 1)`` where a message of ``messages`` ends in ``prompt``'s tokens
+    (the rule is :func:`kvstate.prefix.chat.message_ends_in`, whole renderings only)."""
+
+    def rendered(k: int) -> list[int] | None:
         try:
-            ids = render(tokenizer, template, messages[:k], generation_prompt=False)
+            return render(tokenizer, template, messages[:k], generation_prompt=False)
         except RequestError:  # some templates refuse a conversation that ends on a system or user message
-            continue
-        if 0 < len(ids) < n - 1 and list(prompt[: len(ids)]) == ids and (not out or len(ids) > out[-1]):
-            out.append(len(ids))
-    return out
+            return None
+
+    return message_ends_in((rendered(k) for k in range(1, len(messages) + 1)), prompt, whole=True,
+                           below=len(prompt) - 1)

@@ -75,3 +75,14 @@ def test_a_chat_served_with_its_boundaries_resumes_after_the_system_prompt():
     (_, bounds, first), (ids, _, second) = reqs
     assert first.reused_tokens == 0 and second.reused_tokens >= bounds[0] == 152
     torch.testing.assert_close(second.logits, segmented_prefill(model, ids).logits, atol=1e-4, rtol=0)
+
+
+def test_one_rule_for_message_ends_whole_renderings_or_their_common_prefix():
+    from kvstate.prefix.chat import message_ends_in
+
+    prompt = [1, 5, 6, 2, 7, 8, 2, 9]
+    renderings = [[1, 5, 6, 2], None, [1, 5, 6, 2, 7, 8, 3], [1, 5, 6, 2, 7, 8, 2]]  # the 3rd closes differently
+    assert message_ends_in(renderings, prompt, whole=True) == [4, 7]
+    assert message_ends_in(renderings, prompt, whole=False) == [4, 6, 7]
+    assert message_ends_in(renderings, prompt, whole=True, below=len(prompt) - 1) == [4]  # the server's bound
+    assert message_ends_in([[9], [1, 5]], prompt, whole=False) == [2]  # no agreement: no position
