@@ -36,15 +36,16 @@ MIN_REPEATS = 5
 
 @torch.no_grad()
 def time_methods(model: Any, tokenizer: Any, items: list[Any], names: list[str], budget: float,
-                 router: SemanticRouter | None, segment: SegmentConfig, repeats: int) -> dict[str, Any]:
+                 router: SemanticRouter | None, segment: SegmentConfig, repeats: int,
+                 options: methods.SekvOptions | None = None) -> dict[str, Any]:
     """Per method: ms / token of each round (mean over items), the median and spread, and the ratio to the
     registry's reference per round."""
     caches = []
     for it in items:
         pre = prefill(model, it)
-        caches.append({m: compressed_cache(m, model, tokenizer, it, budget, router, segment, prefilled=pre)
-                       for m in names})
-    ctx = methods.Context(router, segment)
+        caches.append({m: compressed_cache(m, model, tokenizer, it, budget, router, segment, prefilled=pre,
+                                           options=options) for m in names})
+    ctx = methods.Context(router, segment, options=options if options is not None else methods.SekvOptions())
     rounds: dict[str, list[float]] = {m: [] for m in names}
     for r in range(repeats):
         order = names if r % 2 == 0 else names[::-1]
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--recent", type=int, default=16)
     ap.add_argument("--max-span", type=int, default=64)
+    ap.add_argument("--memory", type=float, default=None)
+    ap.add_argument("--slow", choices=("lowrank", "quant"), default="lowrank")
+    ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.repeats < MIN_REPEATS:
@@ -98,12 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(code=("semantic", "lab/semantic"), models=[a.model, a.router], n=a.n, seeds=[a.seed],
                    tasks=["niah_single"], lengths=[a.length],
                    settings={"budget": a.budget, "methods": names, "repeats": a.repeats, "recent": a.recent,
-                             "max_span": a.max_span, "timing": True})
+                             "max_span": a.max_span, "memory": a.memory, "slow": a.slow, "bits": a.bits,
+                             "timing": True})
     model, tok = load_reference(a.model)
     router = SemanticRouter.load(a.router, model)
     items = build_items(tok, "niah_single", a.length, a.n, a.seed)
     res = time_methods(model, tok, items, names, a.budget, router, SegmentConfig(recent=a.recent, max_span=a.max_span),
-                       a.repeats)
+                       a.repeats, methods.SekvOptions(memory=a.memory, slow=a.slow, bits=a.bits))
     for m, row in res.items():
         print(m, row)
     append_run(a.out, {"timing": res}, rec.finish())
