@@ -120,6 +120,7 @@ def test_profile_keeps_the_layer_of_lowest_held_out_kl(models: tuple, pair_codec
     kl = {int(k): v for k, v in rc.info["kl_by_layer"].items()}
     assert sorted(kl) == list(range(LAYERS)) and rc.info["chosen"] == rc.config.layer
     assert kl[rc.config.layer] == min(kl.values()) and len(set(kl.values())) > 1
+    assert sorted(rc.info["kl_mean_by_layer"]) == sorted(rc.info["kl_by_layer"])  # the median decides; the mean is kept
 
 
 def test_recompute_layer_outside_the_consumer_is_refused(models: tuple, pair_codec: Codec) -> None:
