@@ -11,6 +11,7 @@ from kvstate.models.accounting import (
     checkpoint_bytes,
     describe,
     kv_bytes_per_token,
+    kv_token_bytes,
     recurrent_shape,
 )
 from kvstate.models.families import (
@@ -51,6 +52,7 @@ __all__ = [
     "describe",
     "family_of",
     "kv_bytes_per_token",
+    "kv_token_bytes",
     "layer_kinds",
     "load_config",
     "load_model",

@@ -66,6 +66,15 @@ def model_dtype(config: Any) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
+def kv_token_bytes(kv_heads: int, head_dim: int, dtype_bytes: int, layers: int = 1) -> int:
+    """K and V bytes one token adds to ``layers`` attention layers: ``layers × 2 × kv_heads × head_dim × dtype_bytes``.
+
+    The one per-token KV formula: :func:`kv_bytes_per_token` (from a model config) and every method or report
+    that sizes a raw KV cache use it.
+    """
+    return int(layers) * 2 * int(kv_heads) * int(head_dim) * int(dtype_bytes)
+
+
 def kv_bytes_per_token(config: Any, dtype: torch.dtype | None = None) -> int:
     """Attention KV bytes one token adds to the cache (all attention and hybrid layers, batch 1)."""
     tc = text_config(config)
@@ -75,7 +84,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype | None = None) -> int:
         return 0
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     kv_heads = getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads
-    return n_attn * 2 * kv_heads * head_dim * _dtype_bytes(dtype)
+    return kv_token_bytes(kv_heads, head_dim, _dtype_bytes(dtype), n_attn)
 
 
 def checkpoint_bytes(config: Any, dtype: torch.dtype | None = None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 from kvstate.errors import KVStateError
 from kvstate.lab.provenance import read_runs
 from kvstate.lab.training.io import STATE_FILE, read_state
+from kvstate.models.accounting import kv_token_bytes
 
 
 def _weight_drift(model_dir: Path, base_dir: Path) -> list[tuple[str, float]]:
@@ -144,7 +145,7 @@ def codec_card(codec_dir: str | Path, command: str) -> str:
              f"- ranks per KV head: keys {m['rank_k']}, values {m['rank_v']}; H_in code {m['rank_h']}; {m['bits']}-bit codes",
              f"- PATCH layers {m['patch_layers']} (auto: patch gain per layer {[round(x, 5) for x in cal.get('patch_gain') or []]})",
              f"- payload per token: {reuse:g} B per REUSE layer, {patch:g} B per PATCH layer (+ per-channel scales); "
-             f"fp16 raw KV: {g['n_layers'] * 2 * g['n_kv_heads'] * g['head_dim'] * 2} B",
+             f"fp16 raw KV: {kv_token_bytes(g['n_kv_heads'], g['head_dim'], 2, g['n_layers'])} B",
              f"- calibration: {cal.get('fit_prefixes')} prefixes fitted ({cal.get('tokens')} tokens), "
              f"{cal.get('holdout_prefixes')} held out", "",
              "Held-out measurements (relative error vs the consumer's own K/V; KL = consumer next-token KL on "

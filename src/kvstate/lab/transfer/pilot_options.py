@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.lab.protocol import TEST_SEED_MIN
+from kvstate.models.accounting import kv_token_bytes
 from kvstate.transfer.adapter import Adapter, AdapterConfig, train_adapter
 from kvstate.transfer.codec import Codec
 from kvstate.transfer.nonlinear import KVMaps, MapConfig, decode_reuse, train_kv_maps
@@ -150,7 +151,7 @@ def run_pilot(producer: Any, consumer: Any, tokenizer: Any, scd: Codec, *, n: in
                     nbytes[m].append(b)
                     ntok[m].append(start)
                 tick(f"{task}@{length}")
-    fp16 = scd.geometry.n_layers * 2 * scd.geometry.n_kv_heads * scd.geometry.head_dim * 2
+    fp16 = kv_token_bytes(scd.geometry.n_kv_heads, scd.geometry.head_dim, 2, scd.geometry.n_layers)
     recomputed = {m: (methods[adapters[m][0]][1] if m in adapters else methods[m][1] if m in methods else 4)
                   for m, _ in ROWS}
     recomputed["oracle"] = scd.geometry.n_layers

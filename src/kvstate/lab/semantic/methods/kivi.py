@@ -24,6 +24,7 @@ import torch
 from kvstate.errors import BudgetError
 from kvstate.lab.semantic.methods.base import Context, StoreMethod, register
 from kvstate.lab.semantic.methods.window import anchor_logits
+from kvstate.models.accounting import kv_token_bytes
 from kvstate.semantic.bounds import key_bounds
 from kvstate.semantic.cache import SemanticCache
 from kvstate.semantic.config import SemanticConfig
@@ -116,14 +117,14 @@ class KiviCache(SemanticCache):
         t, h, d, e = k0.shape[2], k0.shape[1], k0.shape[3], k0.element_size()
         exact = min(self.config.segment.recent, t)
         n = t - exact
-        cap = int(self.config.budget * t * 2 * h * d * e)
-        held = {b: kivi_nbytes(n, h, d, b, e) + exact * 2 * h * d * e for b in BITS}
+        cap = int(self.config.budget * t * kv_token_bytes(h, d, e))
+        held = {b: kivi_nbytes(n, h, d, b, e) + exact * kv_token_bytes(h, d, e) for b in BITS}
         fits = [b for b in BITS if held[b] <= cap]
         if not fits:
             need = held[BITS[-1]]
             raise BudgetError(f"budget {self.config.budget} of full KV ({cap} bytes per layer) cannot hold a "
                               f"{t}-token context quantized at 2 bits with a {exact}-token exact residual: the minimum "
-                              f"is {need} bytes, budget >= {need / (t * 2 * h * d * e):.4f}; raise the budget or "
+                              f"is {need} bytes, budget >= {need / (t * kv_token_bytes(h, d, e)):.4f}; raise the budget or "
                               "lower recent")
         bits = fits[0]
         for layer in layers:
