@@ -99,3 +99,8 @@ def test_report_decides_the_worst_pattern_targets():
     paired = rows["R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)"]
     assert paired.status == "missed" and "-47.0 points" in paired.measured  # 0.5 + 0.03 - 1.0, paired
     assert "R-CLA keep 0.5 perplexity <= 1.03 x the no-routing control's keep 1 (paired)" in rows
+    # rows of another test seed are other items: never paired
+    res[KV1] = [{**res[KV1][0], "seed": 1000}]
+    res[RCLA] = [{**r, "seed": 1005} for r in res[RCLA]]
+    rows = {h.target: h for h in headline(res, arts)}
+    assert "unpaired" in rows["R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)"].measured

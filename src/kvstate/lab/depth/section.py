@@ -52,7 +52,13 @@ def load_artifacts(models_dir: Path) -> dict[str, Artifact]:
 
 def load_results(models_dir: Path) -> dict[str, list[dict[str, Any]]]:
     """Model name -> result rows of its committed ``depth_eval.json`` (the newest run)."""
-    return {name: a.run["results"] for name, a in load_artifacts(models_dir).items() if a.run is not None}
+    return {name: _rows(a) for name, a in load_artifacts(models_dir).items() if a.run is not None}
+
+
+def _rows(art: Artifact) -> list[dict[str, Any]]:
+    """The run's result rows, each with the run's test seed (rows pair only with rows of the same seed and n)."""
+    run = art.run or {}
+    return [{**r, "seed": run.get("seed")} for r in run.get("results", [])]
 
 
 def _worst(arts: list[Artifact]) -> Artifact:
@@ -75,7 +81,7 @@ def _at(rows: list[dict[str, Any]], *, keep: float | None = None, pattern: str |
 def _ppl_vs(a: dict[str, Any], b: dict[str, Any]) -> stats.Estimate | None:
     """``ppl(a) / ppl(b) - 1``, paired over the same texts when both rows keep per-text NLL (else None)."""
     ta, tb = a.get("text_nll"), b.get("text_nll")
-    if not ta or not tb or len(ta) != len(tb):
+    if not ta or not tb or len(ta) != len(tb) or a.get("seed") != b.get("seed"):
         return None
     (na, ka), (nb, kb) = zip(*ta, strict=True), zip(*tb, strict=True)
     return stats.paired_perplexity_ratio(na, ka, nb, kb) if ka == kb else None
@@ -84,7 +90,7 @@ def _ppl_vs(a: dict[str, Any], b: dict[str, Any]) -> stats.Estimate | None:
 def _score_vs(a: dict[str, Any], b: dict[str, Any], factor: float = 1.0) -> stats.Estimate | None:
     """Mean of ``a_i - factor * b_i`` over the same items (paired), when both rows keep per-item scores."""
     ia, ib = a.get("items"), b.get("items")
-    if not ia or not ib or len(ia) != len(ib):
+    if not ia or not ib or len(ia) != len(ib) or a.get("seed") != b.get("seed"):  # other items: no pairing
         return None
     return stats.paired_difference(ia, [factor * x for x in ib])
 
@@ -404,7 +410,7 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
 
 def build(out_dir: Path, models_dir: Path) -> Section:
     arts = load_artifacts(models_dir)
-    res = {name: a.run["results"] for name, a in arts.items() if a.run is not None}
+    res = {name: _rows(a) for name, a in arts.items() if a.run is not None}
     if not res:
         missing = Artifact(f"models/{RCLA}/{EVAL_FILE}", eval_command(RCLA), "missing", "file not found", None, 0)
         return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER,
