@@ -33,9 +33,9 @@ from kvstate.errors import KVStateError
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.protocol import TEST_SEED_MIN
 from kvstate.lab.scoring import score
-from kvstate.lab.transfer.bench import budget_layers
 from kvstate.transfer.calibrate import PATCH_MAPS, REUSE_MAPS, CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec
+from kvstate.transfer.methods.scd import budget_layers
 from kvstate.transfer.states import build_cache, prefill_states
 
 TASKS = ("niah_multikey", "niah_single")
