@@ -1,11 +1,13 @@
 """make reproduce covers every result file the report reads; retrain replays recorded parts into scratch only."""
 
 import json
+import re
 
 import pytest
 
 from kvstate.errors import KVStateError
 from kvstate.lab.make import reproduce as R
+from kvstate.lab.report.eval_section import reference_dirs
 from kvstate.lab.training import retrain as T
 
 
@@ -19,10 +21,12 @@ def test_every_result_file_a_section_reads_has_a_job():
                   if (R.REPO / "models/codec-ref-attn-ft2").is_dir()),  # the shifted pair, once trained
                 *(f"models/{m}/depth_eval.json" for m in ("ref-attn", "ref-attn-norouting", "ref-attn-cla2",
                                                            "ref-attn-rcla", "ref-attn-rcla075", "ref-attn-kv1")),
-                *(f"models/{m}/depth_decode.json" for m in ("ref-attn-rcla", "ref-attn-kv1"))}
+                *(f"models/{m}/depth_decode.json" for m in ("ref-attn-rcla", "ref-attn-kv1")),
+                *(f"models/{d.name}/reference_eval.json" for d in reference_dirs(R.REPO / "models"))}
     assert arts == expected
-    for j in R.jobs():  # each command appends to the file it is the job of, on test seeds
-        assert j.artifact in j.command and "--seed 1000" in j.command
+    for j in R.jobs():  # each command appends to the file it is the job of, on a test seed
+        seeds = [int(x) for x in re.findall(r"--seed (\d+)", j.command)]
+        assert j.artifact in j.command and len(seeds) == 1 and seeds[0] >= 1000, j.command
 
 
 def test_dry_run_plans_without_running(capsys):

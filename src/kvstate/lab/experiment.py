@@ -33,7 +33,7 @@ from typing import Any, Literal
 from kvstate.errors import KVStateError
 from kvstate.lab import protocol, stats
 
-AXES = ("position", "depth", "resolution", "across models")
+AXES = ("position", "depth", "resolution", "across models", "reference")  # reference: the full-cache baselines
 Kind = Literal["quality", "timing"]
 Metric = Literal["score", "difference", "time", "ratio"]
 ROW_KEYS = ("method", "task", "length", "seed", "n", "values", "value", "ci", "extra")

@@ -1,4 +1,4 @@
-"""The report's reference-model section runs the harness on each model dir that has a tokenizer."""
+"""The report's reference-model section: each model's scores written by the experiment loop, read back by the report."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def test_eval_section_scores_each_reference_model(tmp_path, monkeypatch):
     monkeypatch.setattr(eval_section, "N", 1)
     monkeypatch.setattr(eval_section, "LENGTHS", [256])
     monkeypatch.setattr(eval_section, "GATE_N", 1)
+    missing = eval_section.build(tmp_path, tmp_path)  # nothing committed yet: the row names the command
+    assert [r.status for r in missing.headline] == ["missing"] and "eval_section --model" in missing.headline[0].measured
+    eval_section.measure_reference(tmp_path / "m")  # outside models/: no ledger
     section = eval_section.build(tmp_path, tmp_path)
     rows = section.details[0].rows
     assert [r[0] for r in rows] == ["m"] * len(eval_section.TASKS)
@@ -31,7 +34,8 @@ def test_eval_section_scores_each_reference_model(tmp_path, monkeypatch):
     if all(gate[t] < 0.9 for t in eval_section.GATE_TASKS):
         assert gate["status"] != "met"
     [row] = section.headline
-    assert row.status == gate["status"] and row.source == "run" and row.rate and row.ci is not None
+    assert row.status == gate["status"] and row.source == "artifact" and row.rate and row.ci is not None
+    assert row.seeds == (eval_section.SEED,) and row.n == 1 and row.tasks == tuple(eval_section.GATE_TASKS)
     assert row.measured.startswith(f"{gate['niah_single']:.2f} / ")
     assert not (tmp_path / "eval_learning_curves.png").exists()  # no training_state.json: no curve
 

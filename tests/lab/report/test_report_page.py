@@ -106,7 +106,8 @@ def test_summary_json_has_schema_headline_and_strict_numbers(tmp_path):
     assert data["headline"] == [{"section": "k", "technique": "t", "target": "x", "measured": "0.25", "met": True,
                                  "source": "run", "status": "met", "ci": None, "rate": False, "artifact": None,
                                  "commit": None, "command": None, "seeds": None, "n": None, "tasks": None,
-                                 "excluded_tasks": None, "timing": False, "kind": "result", "because": ""}]
+                                 "excluded_tasks": None, "timing": False, "kind": "result", "because": "",
+                                 "recorded": ""}]
     assert data["headline_counts"] == {"met": 1, "missed": 0, "undecided": 0, "stale": 0, "missing": 0, "live": 1,
                                        "checks": 0, "checks_failing": 0}
     assert data["checks"] == [] and data["verdicts"] == []  # no section named its axis
@@ -281,3 +282,18 @@ def test_an_artifact_row_takes_seeds_n_and_tasks_from_the_files_provenance():
     row = artifact_row(art, "p", "t", "1.2x", status="met", ci=(1.1, 1.3), timing=True)
     assert (row.seeds, row.n, row.tasks, row.repeats) == ((1001,), 64, ("chat",), 7)
     assert artifact_row(art, "p", "t", "1", True, seeds=(1002,)).seeds == (1002,)  # what the section passes wins
+
+
+def test_a_stale_files_recorded_decision_counts_toward_the_verdict_and_is_said_to_be_stale():
+    from kvstate.lab.provenance import Artifact
+    from kvstate.lab.report.html import artifact_row, verdicts
+
+    stale = Artifact("models/x/r.json", "kvstate x", "stale", "src changed", {"provenance": {"seeds": [1000]}}, 1)
+    row = artifact_row(stale, "d", "drop <= 2 pp", "1.0 pp", status="met", ci=(0.5, 1.5))
+    assert row.status == "stale" and row.recorded == "met" and row.seeds == (1000,)
+    missing = artifact_row(Artifact("models/x/q.json", "kvstate q", "missing", "file not found", None, 0), "d", "t", "")
+    (v,) = verdicts([Section("a", "A", headline=[row, missing], axis="depth")])
+    assert (v["verdict"], v["met"], v["targets"], v["from_stale_files"], v["stale_or_missing"]) == ("partly", 1, 2, 1, 1)
+    assert v["best"]["measured"] == "1.0 pp" and v["best"]["status"] == "met"
+    page = render([Section("a", "A", headline=[row, missing], axis="depth")])
+    assert "1 without a decision (stale or missing), 1 read from stale files" in page

@@ -59,10 +59,15 @@ def jobs() -> list[Job]:
     """Every result file the report reads, with the command that regenerates it."""
     from kvstate.lab.depth.section import KV1, LABELS, RCLA
     from kvstate.lab.prefix.replay_section import REPLAY_CMD, REPLAY_FILE, TREE_CMD, TREE_FILE
+    from kvstate.lab.report import eval_section
     from kvstate.lab.semantic.section import EVAL_COMMAND, HYBRID_COMMAND, SWEEP_COMMAND
     from kvstate.lab.transfer.section import BENCH_FILE, NEAR_ALIGNED, PAIRS, TTFT_FILE
 
     return [
+        # the reference models' full-cache scores (sweep + gate, one thread): ~5 min a model on a quiet machine
+        *(Job(f"reference:{d.name}", f"models/{d.name}/{eval_section.RESULT_FILE}",
+              eval_section.command(d.relative_to(REPO)), 300.0)
+          for d in eval_section.reference_dirs(REPO / "models")),
         Job("prefix:replay", f"models/ref-hybrid/{REPLAY_FILE}", REPLAY_CMD, 1500.0),
         Job("prefix:tree-replay", f"models/ref-hybrid/{TREE_FILE}", TREE_CMD, 1800.0),
         *(_depth(name) for name in LABELS),
@@ -120,7 +125,7 @@ def reproduce(only: Sequence[str] = (), *, dry_run: bool = False, force: bool = 
     unknown = set(only) - {j.name for j in jobs()} - {j.name.split(":")[0] for j in jobs()}
     if unknown:
         raise KVStateError(f"--only {', '.join(sorted(unknown))}: no such job; choose from "
-                           f"{', '.join(j.name for j in jobs())} or an axis (prefix, depth, semantic, transfer)")
+                           f"{', '.join(j.name for j in jobs())} or an axis (reference, prefix, depth, semantic, transfer)")
     plan = []
     table = Table(title="make reproduce: result files the report reads")
     for col in ("job", "result file", "status", "estimate", "action"):

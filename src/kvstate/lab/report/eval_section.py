@@ -1,9 +1,12 @@
 """Report section: full-cache scores of the committed reference models on the RULER-shaped synthetic tasks.
 
-Every later technique is compared against these numbers, so they are measured again on each report run
-(seeded, so reproducible): scores per task × length, the needle-retrieval gate (exact match >= 0.9 on
-``niah_single`` and ``niah_multikey`` at 1,024 tokens), a needle-depth × length heatmap, and each model's
-learning curve read from its ``training_state.json``.
+Every later technique is compared against these numbers: scores per task × length, the needle-retrieval gate
+(exact match >= 0.9 on ``niah_single`` and ``niah_multikey`` at 1,024 tokens, decided on Wilson intervals of
+100 items), a needle-depth × length heatmap, and each model's learning curve read from its
+``training_state.json``. The scores are two experiments of the one loop (:mod:`kvstate.lab.experiment`)
+committed per model in ``models/<model>/reference_eval.json`` (``python -m kvstate.lab.report.eval_section
+--model DIR``, about 5 minutes a model on one thread) and read here, so the report itself stays cheap; a
+model without the file, or whose file is stale, shows the command that regenerates it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from kvstate.lab import protocol, stats
-from kvstate.lab.harness import load_reference, run_tasks
+from kvstate.lab.harness import EvalResult, ExampleResult
+from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report import plots
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, pivot, run_row
+from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, pivot
 from kvstate.lab.training.io import read_state
 
 TASKS = ["niah_single", "niah_multikey", "vt", "qa"]
@@ -27,6 +31,9 @@ GATE_TASKS = ["niah_single", "niah_multikey"]
 GATE_LENGTH = 1024
 GATE_N = protocol.HEADLINE_N
 GATE_THRESHOLD = 0.9
+RESULT_FILE = "reference_eval.json"
+SWEEP, GATE = "reference-sweep", "reference-gate"  # the two experiments in the file
+CODE = ("models", "lab/harness.py", "lab/report/eval_section.py", "lab/scoring.py", "lab/workloads/tasks.py")
 PAPER = "RULER: What's the Real Context Size of Your Long-Context Language Models? (the task shapes)"
 
 
@@ -108,6 +115,53 @@ def _depth_figure(grids: dict[str, Any], out_dir: Path) -> Figure | None:
                   f"{N} examples per length spread evenly over depth, {N // bins} per depth bin; colour scale 0–1.")
 
 
+def command(model_dir: Path) -> str:
+    return (f"OMP_NUM_THREADS=1 python -m kvstate.lab.report.eval_section --model {model_dir.as_posix()} --seed {SEED} "
+            f"--out {(model_dir / RESULT_FILE).as_posix()}")
+
+
+def experiments(model_dir: Path, seed: int = SEED) -> list[Any]:
+    """The sweep (N per task x length) and the gate (GATE_N per gate task at GATE_LENGTH) on one model."""
+    from kvstate.lab.experiment import Experiment
+
+    common = dict(axis="reference", methods=(f"{model_dir.name}:full",), seeds=(seed,), code=CODE,
+                  models=(str(model_dir),))
+    return [Experiment(name=SWEEP, tasks=tuple(TASKS), lengths=tuple(LENGTHS), n=N, **common),
+            Experiment(name=GATE, tasks=tuple(GATE_TASKS), lengths=(GATE_LENGTH,), n=GATE_N, **common)]
+
+
+def measure_reference(model_dir: Path, out: Path | None = None, seed: int = SEED) -> None:
+    """Run both experiments on ``model_dir`` and append them to ``out`` (default: the model's result file)."""
+    from kvstate.lab.experiment import Cell, Measurement, run
+    from kvstate.lab.harness import load_reference, run_tasks
+
+    model, tokenizer = load_reference(model_dir)
+
+    def measure(cell: Cell) -> Measurement:
+        res = run_tasks(model, tokenizer, [cell.task], [cell.length], cell.n, cell.seed)
+        items = [{"depth": e.depth, "n_tokens": e.n_tokens, "score": e.score, "cache_bytes": e.cache_bytes,
+                  "prefill_s": round(e.prefill_s, 4), "decode_s": round(e.decode_s, 4), "new_tokens": e.new_tokens}
+                 for e in res.examples]
+        return Measurement([e.score for e in res.examples], {"items": items})
+
+    for e in experiments(model_dir, seed):
+        run(e, measure, out=out or model_dir / RESULT_FILE, command=command(model_dir), progress=True)
+
+
+def _result(run_doc: dict[str, Any]) -> EvalResult:
+    """The per-item results of a committed experiment run, as the harness returns them."""
+    res = EvalResult()
+    for row in run_doc["rows"]:
+        for i, item in enumerate(row["extra"]["items"]):
+            res.examples.append(ExampleResult(row["task"], row["length"], i, prediction="", **item))
+    return res
+
+
+def _load(d: Path, name: str) -> Artifact:
+    return load_artifact(d / RESULT_FILE, command(d),
+                         select=lambda r: (r.get("experiment") or {}).get("name") == name)
+
+
 def build(out_dir: Path, models_dir: Path) -> Section:
     dirs = reference_dirs(models_dir)
     if not dirs:
@@ -119,16 +173,22 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     depth_grids: dict[str, Any] = {}
     headline: list[HeadlineRow] = []
     summary: dict[str, Any] = {"tasks": TASKS, "lengths": LENGTHS, "n": N, "seed": SEED, "models": {}, "gate": {}}
+    target = (f"full-cache exact match >= {GATE_THRESHOLD:.2f} on {' and '.join(GATE_TASKS)} at {GATE_LENGTH:,} "
+              "tokens (interval: the lower task)")
     for d in dirs:
-        model, tokenizer = load_reference(d)
-        result = run_tasks(model, tokenizer, TASKS, LENGTHS, N, SEED)
-        for r in result.scores():
-            long_rows.append([d.name, r.task, r.length, r.n, r.score, r.cache_bytes, r.prefill_s])
-            records.append({"task": r.task, "col": f"{d.name} @ {r.length:,}", "score": r.score})
-        grids[d.name] = {(r.task, r.length): r.score for r in result.scores()}
-        summary["models"][d.name] = result.as_json(d.name, detail=True)["results"]
-        depth_grids[d.name] = result.depth_grid("niah_multikey", bins=4)
-        gate = run_tasks(model, tokenizer, GATE_TASKS, [GATE_LENGTH], GATE_N, SEED)
+        sweep, gate_art = _load(d, SWEEP), _load(d, GATE)
+        if sweep.run is not None:
+            result = _result(sweep.run)
+            for r in result.scores():
+                long_rows.append([d.name, r.task, r.length, r.n, r.score, r.cache_bytes, r.prefill_s])
+                records.append({"task": r.task, "col": f"{d.name} @ {r.length:,}", "score": r.score})
+            grids[d.name] = {(r.task, r.length): r.score for r in result.scores()}
+            summary["models"][d.name] = result.as_json(d.name, detail=True)["results"]
+            depth_grids[d.name] = result.depth_grid("niah_multikey", bins=4)
+        if gate_art.run is None:
+            headline.append(artifact_row(gate_art, f"reference model {d.name}", target, ""))
+            continue
+        gate = _result(gate_art.run)
         est = {t: stats.rate([e.score for e in gate.examples if e.task == t and e.length == GATE_LENGTH], seed=SEED)
                for t in GATE_TASKS}
         status = protocol.combine_status([stats.decide(e.lo, e.hi, GATE_THRESHOLD) for e in est.values()])
@@ -136,30 +196,32 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         summary["gate"][d.name] = {**{t: round(e.value, 3) for t, e in est.items()},
                                    "ci": {t: [round(e.lo, 3), round(e.hi, 3)] for t, e in est.items()},
                                    "n": GATE_N, "length": GATE_LENGTH, "threshold": GATE_THRESHOLD,
-                                   "status": status}
-        headline.append(run_row(f"reference model {d.name}",
-                                f"full-cache exact match >= {GATE_THRESHOLD:.2f} on {' and '.join(GATE_TASKS)} "
-                                f"at {GATE_LENGTH:,} tokens (interval: the lower task)",
-                                " / ".join(f"{est[t].value:.2f}" for t in GATE_TASKS) + f" (n = {GATE_N} each)",
-                                status=status, ci=(worst.lo, worst.hi), rate=True))
-    figures = [_score_figure(grids, out_dir)]
-    depth = _depth_figure(depth_grids, out_dir)
+                                   "status": status, "file": gate_art.path, "file_status": gate_art.status}
+        headline.append(artifact_row(gate_art, f"reference model {d.name}", target,
+                                     " / ".join(f"{est[t].value:.2f}" for t in GATE_TASKS) + f" (n = {GATE_N} each)",
+                                     status=status, ci=(worst.lo, worst.hi), rate=True, n=GATE_N,
+                                     tasks=tuple(GATE_TASKS), excluded_tasks={}))
+    figures = [_score_figure(grids, out_dir)] if grids else []
+    depth = _depth_figure(depth_grids, out_dir) if depth_grids else None
     figures += [depth] if depth else []
     curves = curve_figure(dirs, out_dir)
     figures += [curves] if curves else []
-    bytes_at = {d.name: next(r[5] for r in long_rows if r[0] == d.name and r[2] == LENGTHS[-1]) for d in dirs}
+    bytes_at = {d.name: next(r[5] for r in long_rows if r[0] == d.name and r[2] == LENGTHS[-1])
+                for d in dirs if d.name in grids}
     summary["cache_bytes_at_longest"] = bytes_at
     return Section(
         key="eval",
         title="Reference models: full-cache scores on RULER-shaped tasks",
         paper=PAPER,
-        conclusion=_conclusion(summary, grids, bytes_at, depth is None),
+        conclusion=_conclusion(summary, grids, bytes_at, depth is None) if summary["gate"] and grids else
+        "No committed reference_eval.json yet; the rows name the command that writes it.",
         intro=f"Full cache (transformers DynamicCache), greedy decoding, {N} held-out examples per task and "
         f"length (seed {SEED}); the gate uses {GATE_N} examples per task at {GATE_LENGTH:,} tokens. Exact match "
-        "for the needle tasks and vt, token F1 for qa. These are the scores every cache technique is compared to.",
+        "for the needle tasks and vt, token F1 for qa. These are the scores every cache technique is compared to. "
+        f"Read from models/<model>/{RESULT_FILE} (each row names the file and its commit).",
         figures=figures,
         tables=[pivot(records, "task", "col", "score", "Score per task (rows) and model @ context length (columns)",
-                      fmt=lambda v: f"{v:.2f}")],
+                      fmt=lambda v: f"{v:.2f}")] if records else [],
         details=[Table("Scores per model, task and length", ["model", "task", "length", "n", "score",
                                                               "cache bytes after prefill", "prefill s"], long_rows)],
         headline=headline,
@@ -186,3 +248,19 @@ def _conclusion(summary: dict[str, Any], grids: dict[str, dict[tuple[str, int], 
         parts.append("Multi-key retrieval scored the same at every needle depth and length, so no depth heatmap "
                      "is shown.")
     return " ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvstate.lab.report.eval_section --model DIR [--out FILE]``: write a model's reference scores."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None, help=f"default: MODEL/{RESULT_FILE}")
+    ap.add_argument("--seed", type=int, default=SEED, help=f"the held-out examples' seed (the report reads {SEED})")
+    a = ap.parse_args(argv)
+    measure_reference(a.model, a.out, a.seed)
+
+
+if __name__ == "__main__":
+    main()

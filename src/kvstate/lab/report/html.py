@@ -109,6 +109,7 @@ class HeadlineRow:
     timing: bool = field(default=False, kw_only=True)  # a timing target: needs repeats (>= 5) and its spread (ci)
     kind: str = field(default="result", kw_only=True)  # "result" | "check" (holds by construction)
     because: str = field(default="", kw_only=True)  # a check: what it follows from
+    recorded: str = field(default="", kw_only=True)  # a stale file: the status its recorded numbers decide
 
     def __post_init__(self) -> None:
         if self.met is not None:  # numpy.bool_ from a comparison of numpy numbers is not `True`
@@ -183,8 +184,10 @@ def artifact_row(art: Any, technique: str, target: str, measured: str, met: bool
     if art.status != "current":
         note = f"{art.status}: {art.reason} — regenerate with `{art.command}`"
         shown = f"{measured} [{note}]" if art.status == "stale" and measured else note
+        recorded = (status or {True: "met", False: "missed", None: "undecided"}[None if met is None else bool(met)]
+                    ) if art.status == "stale" and measured else ""
         return HeadlineRow(technique, target, shown, None, source="artifact", status=art.status, ci=ci, rate=rate,
-                           artifact=art.path, commit=art.commit, command=art.command, **about)
+                           artifact=art.path, commit=art.commit, command=art.command, recorded=recorded, **about)
     return HeadlineRow(technique, target, measured, met, source="artifact", status=status, ci=ci, rate=rate,
                        artifact=art.path, commit=art.commit, command=art.command, **about)
 
@@ -312,12 +315,17 @@ def headline_counts(rows: Sequence[HeadlineRow]) -> dict[str, int]:
     return out
 
 
+def _effective(r: HeadlineRow) -> str:
+    """A row's status for a verdict: a stale file's recorded decision where it has one."""
+    return r.recorded if r.status == "stale" and r.recorded else r.status
+
+
 def _best(rows: Sequence[HeadlineRow]) -> HeadlineRow | None:
     """The row a verdict quotes: a met row with an interval, else any met row, else the first decided one."""
     picks: list[Callable[[HeadlineRow], bool]] = [
-        lambda r: r.status == "met" and r.ci is not None, lambda r: r.status == "met",
-        lambda r: r.status in ("missed", "undecided") and r.ci is not None,
-        lambda r: r.status in ("missed", "undecided"), lambda r: True]
+        lambda r: _effective(r) == "met" and r.ci is not None, lambda r: _effective(r) == "met",
+        lambda r: _effective(r) in ("missed", "undecided") and r.ci is not None,
+        lambda r: _effective(r) in ("missed", "undecided"), lambda r: True]
     for pick in picks:
         for r in rows:
             if pick(r):
@@ -327,23 +335,29 @@ def _best(rows: Sequence[HeadlineRow]) -> HeadlineRow | None:
 
 def verdicts(sections: Sequence[Section]) -> list[dict[str, Any]]:
     """One verdict per axis from its result rows: ``works`` (every target met), ``partly`` (some met),
-    ``not yet`` (none met), with the number it rests on (:func:`_best`) and the counts."""
+    ``not yet`` (none met), with the number it rests on (:func:`_best`) and the counts.
+
+    A row read from a stale file counts with the status its recorded numbers decide (``recorded``), and the
+    verdict says how many rows rest on stale files: the reader sees both the verdict and how current it is.
+    """
     axes: dict[str, list[tuple[Section, HeadlineRow]]] = {}
     for s in sections:
         if s.axis:
             axes.setdefault(s.axis, []).extend((s, r) for r in s.headline if r.kind == "result")
     out = []
     for axis, pairs in axes.items():
-        rows = [r for _, r in pairs]
-        c = headline_counts(rows)
-        decided = len(rows)
-        verdict = "works" if decided and c["met"] == decided else "partly" if c["met"] else "not yet"
-        best = _best(rows)
+        statuses = [_effective(r) for _, r in pairs]
+        met = statuses.count("met")
+        decided = len(statuses)
+        verdict = "works" if decided and met == decided else "partly" if met else "not yet"
+        best = _best([r for _, r in pairs])
         key = next((s.key for s, r in pairs if r is best), "")
-        out.append({"axis": axis, "verdict": verdict, "met": c["met"], "targets": decided, "missed": c["missed"],
-                    "undecided": c["undecided"], "stale_or_missing": c["stale"] + c["missing"], "section": key,
-                    "best": None if best is None else {"target": best.target, "measured": best.measured,
-                                                       "ci": best.ci, "status": best.status}})
+        out.append({"axis": axis, "verdict": verdict, "met": met, "targets": decided,
+                    "missed": statuses.count("missed"), "undecided": statuses.count("undecided"),
+                    "stale_or_missing": statuses.count("stale") + statuses.count("missing"), "section": key,
+                    "from_stale_files": sum(r.status == "stale" and bool(r.recorded) for _, r in pairs),
+                    "best": None if best is None else {"target": best.target, "measured": best.measured.split(" [stale:")[0],
+                                                       "ci": best.ci, "status": _effective(best)}})
     return out
 
 
@@ -357,7 +371,8 @@ def _verdicts(sections: Sequence[Section]) -> str:
         b = v["best"]
         ci = "" if b is None or b["ci"] is None else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
         best = "" if b is None else f" — {_e(b['target'])}: {_e(b['measured'])}{_e(ci)} ({_e(b['status'])})"
-        stale = f", {v['stale_or_missing']} stale or missing" if v["stale_or_missing"] else ""
+        stale = f", {v['stale_or_missing']} without a decision (stale or missing)" if v["stale_or_missing"] else ""
+        stale += f", {v['from_stale_files']} read from stale files" if v["from_stale_files"] else ""
         out.append(f"<li><a href='#{_e(v['section'])}'><strong>{_e(v['axis'])}</strong></a>: "
                    f"<span class='{cls}'>{_e(v['verdict'])}</span> ({v['met']} of {v['targets']} targets met"
                    f"{stale}){best}</li>")
