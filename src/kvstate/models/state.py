@@ -190,20 +190,45 @@ def restore_cache(
         raise KVStateError(
             f"snapshot has {len(snapshot.layers)} layers but the config has {len(kinds)}: it was taken from another model."
         )
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    states: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i, kind in enumerate(kinds):
+        att = snapshot.layers[i].attention if kind in (LayerKind.ATTENTION, LayerKind.HYBRID) else None
+        if att is not None:
+            part = att.sliced(length)
+            # update() concatenates onto an empty cache, which copies: the snapshot stays unaliased
+            kv.append((part.keys.clone(), part.values.clone()) if copy else (part.keys, part.values))
+        else:
+            kv.append(None)
+        rec = source.layers[i].recurrent if kind in (LayerKind.RECURRENT, LayerKind.HYBRID) else None
+        states.append(None if rec is None else (rec.conv.clone(), rec.recurrent.clone()) if copy
+                      else (rec.conv, rec.recurrent))
+    return fill_cache(config, kinds, kv, states, length)
+
+
+def fill_cache(config: Any, kinds: list[LayerKind], kv: list[tuple[torch.Tensor, torch.Tensor] | None],
+               states: list[tuple[torch.Tensor, torch.Tensor] | None], length: int) -> ResumableCache:
+    """The one cache builder: a fresh :class:`ResumableCache` at ``length`` tokens, filled layer by layer.
+
+    ``kv[i]``: layer ``i``'s keys and values ``(B, kv_heads, length, head_dim)`` (``None`` on an attention layer:
+    a shared cross-layer layer, left a ``DummyLayer``); ``states[i]``: its ``(conv, recurrent)`` state. The
+    tensors are handed over (the caller copies what it must keep); a recurrent / hybrid layer without a state
+    is refused. Used by :func:`restore_cache` and the prefix store's path builder.
+    """
     cache = ResumableCache(config)
     for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
         if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
-            att = snapshot.layers[i].attention
-            if att is None and kind == LayerKind.ATTENTION:  # shared (cross-layer) layer: stays a DummyLayer
+            if kv[i] is None and kind == LayerKind.ATTENTION:  # shared (cross-layer) layer: stays a DummyLayer
                 cache.layers[i] = DummyLayer()
                 continue
-            assert att is not None
-            part = att.sliced(length)
-            # update() concatenates onto an empty cache, which copies: the snapshot stays unaliased
-            layer.update(part.keys.clone() if copy else part.keys, part.values.clone() if copy else part.values)
+            pair = kv[i]
+            if pair is None:
+                raise KVStateError(f"layer {i} ({kind.value}) has no attention KV to fill the cache with.")
+            layer.update(pair[0], pair[1])
         if kind in (LayerKind.RECURRENT, LayerKind.HYBRID):
-            rec = source.layers[i].recurrent
-            assert rec is not None
-            layer.update_conv_state(rec.conv.clone() if copy else rec.conv)
-            layer.update_recurrent_state(rec.recurrent.clone() if copy else rec.recurrent)
+            st = states[i]
+            if st is None:
+                raise KVStateError(f"no recurrent state at position {length} to restore.")
+            layer.update_conv_state(st[0])  # type: ignore[union-attr]
+            layer.update_recurrent_state(st[1])  # type: ignore[union-attr]
     return cache.seal(length)

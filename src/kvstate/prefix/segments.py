@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer
 from kvstate.errors import KVStateError
 from kvstate.models.families import LayerKind
 from kvstate.models.resumable import ResumableCache
-from kvstate.models.state import CacheSnapshot
+from kvstate.models.state import CacheSnapshot, fill_cache
 
 
 @dataclass(frozen=True)
@@ -101,10 +101,11 @@ def build_cache(
 ) -> ResumableCache:
     """A fresh cache after ``length`` tokens: KV from ``parts`` (segment, tokens of it) or the first
     ``length`` positions of ``live``; recurrent state from ``state``."""
-    cache = ResumableCache(config)
     if length == 0:
-        return cache
-    for i, (layer, kind) in enumerate(zip(cache.layers, kinds, strict=True)):
+        return ResumableCache(config)
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    states: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for i, kind in enumerate(kinds):
         if kind in (LayerKind.ATTENTION, LayerKind.HYBRID):
             if live is not None:
                 src = live.layers[i]
@@ -113,19 +114,22 @@ def build_cache(
             else:
                 ks, vs = [], []
                 for seg, take in parts:
-                    kv = seg.layers[i]
-                    ks.append(kv[0][..., :take, :])
-                    vs.append(kv[1][..., :take, :])
+                    part = seg.layers[i]
+                    ks.append(part[0][..., :take, :])
+                    vs.append(part[1][..., :take, :])
                 keys = torch.cat(ks, dim=-2).to(device)  # (B, kv_heads, length, head_dim): a fresh copy
                 values = torch.cat(vs, dim=-2).to(device)
                 if keys.shape[-2] != length:
                     raise KVStateError(f"the path's KV covers {keys.shape[-2]} tokens, not {length}.")
-            layer.update(keys, values)  # type: ignore[union-attr]
+            kv.append((keys, values))
+        else:
+            kv.append(None)
         if kind in (LayerKind.RECURRENT, LayerKind.HYBRID):
             if state is None or state.length != length:
                 raise KVStateError(f"no recurrent state at position {length} to restore.")
             rec = state.layers[i].recurrent
             assert rec is not None
-            layer.update_conv_state(rec.conv.to(device, copy=True))  # type: ignore[union-attr]
-            layer.update_recurrent_state(rec.recurrent.to(device, copy=True))  # type: ignore[union-attr]
-    return cache.seal(length)
+            states.append((rec.conv.to(device, copy=True), rec.recurrent.to(device, copy=True)))
+        else:
+            states.append(None)
+    return fill_cache(config, kinds, kv, states, length)
