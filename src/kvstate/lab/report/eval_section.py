@@ -124,10 +124,12 @@ def experiments(model_dir: Path, seed: int = SEED) -> list[Any]:
     """The sweep (N per task x length) and the gate (GATE_N per gate task at GATE_LENGTH) on one model."""
     from kvstate.lab.experiment import Experiment
 
-    common = dict(axis="reference", methods=(f"{model_dir.name}:full",), seeds=(seed,), code=CODE,
-                  models=(str(model_dir),))
-    return [Experiment(name=SWEEP, tasks=tuple(TASKS), lengths=tuple(LENGTHS), n=N, **common),
-            Experiment(name=GATE, tasks=tuple(GATE_TASKS), lengths=(GATE_LENGTH,), n=GATE_N, **common)]
+    # the ledger knows a method by name: the full cache on this model, per experiment (their tasks differ)
+    common = dict(axis="reference", seeds=(seed,), code=CODE, models=(str(model_dir),))
+    return [Experiment(name=SWEEP, methods=(f"{model_dir.name}:full:{SWEEP}",), tasks=tuple(TASKS),
+                       lengths=tuple(LENGTHS), n=N, **common),
+            Experiment(name=GATE, methods=(f"{model_dir.name}:full:{GATE}",), tasks=tuple(GATE_TASKS),
+                       lengths=(GATE_LENGTH,), n=GATE_N, **common)]
 
 
 def measure_reference(model_dir: Path, out: Path | None = None, seed: int = SEED) -> None:
