@@ -12,9 +12,9 @@ import torch
 
 from kvstate.lab.semantic.baselines_kvpress import KVPressEnvError, ensure_env, run_presses
 from kvstate.lab.semantic.bench import run_method
-from kvstate.lab.semantic.protocol import build_items
 from kvstate.lab.semantic.methods.quest import PageStore, QuestCache
 from kvstate.lab.semantic.methods.window import WindowCache
+from kvstate.lab.semantic.protocol import build_items
 from kvstate.lab.workloads import build_tokenizer
 from kvstate.models import tiny_model
 from kvstate.semantic import SegmentConfig, SemanticConfig, semantic_attention

@@ -112,11 +112,11 @@ def test_report_section_reads_results(tmp_path):
 def test_report_decides_the_memory_targets_from_their_own_files(tmp_path):
     from kvstate.lab.provenance import Recorder, append_run
     from kvstate.lab.semantic.cli import EVAL_CODE
-    from kvstate.lab.semantic.section import _bounds_targets, _memory_targets
+    from kvstate.lab.semantic.section import _bounds_targets, _four_target, _memory_targets
 
     ones, half = [1.0] * 100, [1.0, 0.0] * 50
     (tmp_path / "ref-attn-sekv").mkdir()
-    assert [h.measured for h in _bounds_targets(tmp_path)][0].startswith("missing")  # no file yet: named, not met
+    assert next(h.measured for h in _bounds_targets(tmp_path)).startswith("missing")  # no file yet: named, not met
     # at 4:1 only the working-set-free ablation fits the memory cap: its row decides, named
     run = _run(None, {("full", 1.0): ones, ("sekv_fresh", 0.25): ones, ("sekv", 0.125): ones, ("quest", 0.125): half})
     append_run(tmp_path / "ref-attn-sekv" / "eval_bounds.json", run, Recorder(code=EVAL_CODE).finish())
@@ -133,3 +133,8 @@ def test_report_decides_the_memory_targets_from_their_own_files(tmp_path):
     (row,) = _memory_targets(tmp_path)
     assert row.measured.startswith("sekv_fresh vs streaming: +50.0 points") and row.status == "met"
     assert "kvpress presses not run" in row.measured
+    run = _run(None, {("full", 1.0): ones, ("sekv", 0.25): half})
+    append_run(tmp_path / "ref-attn-sekv" / "eval_4x.json", run, Recorder(code=EVAL_CODE).finish())
+    (four,) = _four_target(tmp_path)
+    assert four.measured.startswith("SEKV - 0.95 x full = -45.0 points") and four.status == "missed"
+
