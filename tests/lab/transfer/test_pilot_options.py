@@ -15,3 +15,10 @@ def test_pilot_refuses_test_seeds_and_models_dir() -> None:
     names = [m for m, _ in ROWS]
     assert names[0] == "oracle" and len(names) == len(set(names))
     assert {"recompute", "nonlinear", "adapter", "combined", "droidspeak", "scd", "reuse", "raw"} <= set(names)
+
+
+def test_timing_refuses_models_dir() -> None:
+    from kvstate.lab.transfer.pilot_options_timing import main as timing_main
+
+    with pytest.raises(SystemExit, match="never go under models/"):
+        timing_main(["--out", "models/codec-ref-attn-ft2/timing.json"])
