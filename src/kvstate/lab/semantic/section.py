@@ -209,7 +209,7 @@ BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models
                   "--seed 1001 --methods full,sekv,sekv_fresh,quest,streaming,kivi --recent 16 --max-span 64 --json "
                   "--out models/ref-attn-sekv/eval_bounds.json")
 MEMORY_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.0625 "
-                  "--memory 0.0625 --task niah_single,niah_multikey,niah_4q --length 4096 --n 100 --seed 1001 "
+                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1003 "
                   "--methods full,sekv_fresh,streaming,kivi --recent 16 --max-span 128 --json "
                   "--out models/ref-attn-sekv/eval_16x.json")
 FOUR_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 --slow quant "
