@@ -232,7 +232,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     summary["bookkeeping_ms_ci"] = est.ci
     headline.append(run_row(TECH, "per-request bookkeeping ≤ 5 ms at 1,000 entries of 4K tokens", f"{est.value:.2f} ms",
                             status=stats.decide(est.lo, est.hi, 5.0, higher_is_better=False), ci=(est.lo, est.hi),
-                            timing=True, repeats=est.n, n=est.n))
+                            timing=True, repeats=est.n, n=est.n, seeds=(0,)))
     headline.append(_tree_vs_path(models_dir / "ref-hybrid" / "prefix_tree_replay.json", tables, summary))
     return Section(
         key="prefix_replay",
