@@ -21,6 +21,8 @@ TRANSFORMERS_ELSEWHERE = {
     "semantic/cache.py": "SemanticCache subclasses transformers' Cache so model.generate accepts it",
     "prefix/segments.py": "assembles stored KV segments into transformers' DynamicCache / DynamicLayer",
     "transfer/states.py": "builds the consumer's DynamicCache from decoded K/V",
+    "transfer/recompute.py": "returns the consumer's DynamicCache with the recomputed layer's K/V filled in",
+    "transfer/methods/oracle.py": "prefills the consumer into its own DynamicCache(config=...) (the reference row)",
     "serve/server.py": "loads the served model's tokenizer (AutoTokenizer) and config",
     "serve/generation.py": "reads the served model's config and cache classes while generating",
     "serve/batching.py": "holds the running batch in one transformers DynamicCache(config=...) the model decodes into",
