@@ -109,7 +109,7 @@ def test_a_depth_card_never_replaces_a_hand_written_readme(capsys, tmp_path, scr
     (["semantic", "eval", "--model", "{M}/ref-attn", "--length", "1K,1024"], ["the same value"]),
     (["semantic", "eval", "--model", "{M}/ref-attn", "--task", ""], ["--task", "empty"]),
     (["semantic", "eval", "--model", "{M}/ref-attn", "--methods", "full,full"], ["--methods", "more than once"]),
-    (["semantic", "eval", "--model", "{M}/ref-attn", "--methods", "kvpress,SnapKVPress"], ["names a press twice"]),
+    (["semantic", "eval", "--model", "{M}/ref-attn", "--methods", "kvpress,SnapKVPress"], ["names SnapKVPress twice"]),
     (["semantic", "train", "--model", "{M}/ref-attn", "--out", "{T}/r", "--length", "128,128"], ["more than once"]),
     (["transfer", "bench", "--codec", "{M}/codec-ref-attn-ft", "--length", "²"], ["not a whole number"]),
     (["transfer", "calibrate", "--producer", "{M}/ref-attn", "--consumer", "{M}/ref-attn-ft", "--out", "{T}/c",
