@@ -94,10 +94,12 @@ def bench_rows(producer: Any, consumer: Any, tokenizer: Any, ctx: MethodContext,
 
     def profile(m: TransferMethod) -> list[Any]:
         nonlocal prompts
-        if prompts is None:
-            prompts = calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, cfg.profile_prefixes),
-                                                                       length=512, seed=seed))[: cfg.profile_prefixes]
-        opts, info = m.profile(producer, consumer, prompts, ctx)
+        want = max(cfg.profile_prefixes, *(c.calibration_prefixes for c in chosen))
+        if prompts is None or len(prompts) < want:
+            prompts = calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, want), length=512,
+                                                                       seed=seed))[:want]
+        # each method profiles on the prefixes it asks for (at least the bench's), the same stream for all
+        opts, info = m.profile(producer, consumer, prompts[: max(cfg.profile_prefixes, m.calibration_prefixes)], ctx)
         return [opts, info]
 
     for m in chosen:

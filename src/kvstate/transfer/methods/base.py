@@ -84,6 +84,7 @@ class TransferMethod(ABC):
     order: int = 100  # position in tables (oracle 0, baselines 10-50, codec methods 60-80, new methods > 100)
     ships_payload: bool = True  # False: nothing goes over the wire (the oracle prefills on the consumer)
     option_keys: tuple[str, ...] = ()  # the --option keys it takes
+    calibration_prefixes: int = 4  # calibration-stream prefixes its profile() fits on (a method that trains asks for more)
 
     # --- identity and options -------------------------------------------------------------------
     def check(self, ctx: MethodContext) -> None:
