@@ -20,7 +20,6 @@ merging the adapter into the weights (a merged adapter could not be switched off
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from kvstate.errors import KVStateError
 from kvstate.models.fingerprint import model_fingerprint
@@ -104,10 +102,9 @@ class Adapter:
                 "codec_pair": self.codec_pair, "config": asdict(self.config)}
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, p,
-                  metadata={"kvstate": json.dumps(self.identity(), sort_keys=True)})
-        return p
+        from kvstate.transfer.nonlinear import write_artifact
+
+        return write_artifact(path, self.tensors, self.identity())
 
     @classmethod
     def load(cls, path: str | Path) -> Adapter:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from kvstate.errors import KVStateError
 from kvstate.models.fingerprint import model_fingerprint
@@ -219,10 +219,7 @@ class KVMaps:
                 "hidden_size": self.hidden_size, "layers": list(self.layers), "config": asdict(self.config)}
 
     def save(self, path: str | Path) -> Path:
-        p = Path(path)
-        save_file({k: v.contiguous() for k, v in self.tensors.items()}, p,
-                  metadata={"kvstate": json.dumps(self.identity(), sort_keys=True)})
-        return p
+        return write_artifact(path, self.tensors, self.identity())
 
     @classmethod
     def load(cls, path: str | Path) -> KVMaps:
@@ -235,6 +232,19 @@ class KVMaps:
                        MapConfig(**meta["config"]))
         except (KeyError, TypeError) as exc:
             raise MapError(f"{str(path)!r} is not a kvstate nonlinear-map file ({exc!r}); retrain the maps") from None
+
+
+def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], identity: dict[str, Any]) -> Path:
+    """One safetensors file (the tensors, ``identity`` as its ``kvstate`` metadata), written whole or not at all
+    (serialized in memory, then written to a sibling and renamed over ``path``); what :func:`read_artifact` reads."""
+    from safetensors.torch import save as save_bytes
+
+    from kvstate.io_safety import write_bytes_atomic
+
+    p = Path(path)
+    write_bytes_atomic(p, save_bytes({k: v.contiguous() for k, v in tensors.items()},
+                                     metadata={"kvstate": json.dumps(identity, sort_keys=True)}))
+    return p
 
 
 def read_artifact(path: str | Path, kind: str, fix: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:

@@ -292,15 +292,12 @@ class RecomputeCodec:
     def save(self, path: str | Path) -> Path:
         """One safetensors file: the boundary tensors, the nonlinear maps' (``maps.*``) and the identity (the
         SCD codec's pair, the config, the maps' identity) in its metadata; ships next to the SCD codec."""
-        from safetensors.torch import save_file
+        from kvstate.transfer.nonlinear import write_artifact
 
         meta = {"version": RECOMPUTE_VERSION, "scd_pair": self.scd.pair.hex(), "config": asdict(self.config),
                 "maps": None if self.maps is None else self.maps.identity(), "info": self.info, "pair": self.pair.hex()}
         tensors = {**self.tensors, **({f"maps.{k}": v for k, v in self.maps.tensors.items()} if self.maps else {})}
-        p = Path(path)
-        save_file({k: v.contiguous() for k, v in tensors.items()} or {"none": torch.zeros(1)}, p,
-                  metadata={"kvstate": json.dumps(meta, sort_keys=True)})
-        return p
+        return write_artifact(path, tensors or {"none": torch.zeros(1)}, meta)
 
     @classmethod
     def load(cls, path: str | Path, scd: Codec) -> RecomputeCodec:
