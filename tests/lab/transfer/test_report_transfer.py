@@ -335,3 +335,38 @@ def test_codec_card_shows_the_in_context_patch_gain(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     card = codec_card(tmp_path, "kvstate transfer calibrate ...")
     assert "layer 0 KL 0.7000 gain 0.0000, layer 1 KL 0.4100 gain 0.1900" in card and "REUSE everywhere, 0.6000" in card
+
+
+def _options_bench(rec_ones: int, droid_ones: int = 30) -> dict:
+    """A later options run: oracle, raw, DroidSpeak and selective recompute only, no perplexity."""
+    rows = []
+    for length in (1024, 2048):
+        for m, k, b in (("oracle", 38, 0.0), ("raw", 20, 2048.0), ("droidspeak", droid_ones, 512.0),
+                        ("scd_recompute", rec_ones, 161.0)):
+            r = _row(m, k, b, 10.0, length)
+            r["recomputed_layers"] = [1] if m == "scd_recompute" else []
+            rows.append(r)
+    b = _bench()
+    return {**b, "results": rows, "config": {**b["config"], "seed": 1002, "ppl_n": 0}}
+
+
+def test_an_options_run_gets_its_own_rows_and_the_scd_targets_keep_reading_the_full_run(tmp_path: Path) -> None:
+    path = tmp_path / "m" / CODEC / "bench.json"
+    _write(tmp_path / "m", _bench())
+    rec = Recorder(code=("lab/transfer/section.py",), n=2, seeds=[1002])
+    append_run(path, _options_bench(38), rec.finish())
+    sec = build(tmp_path / "out", tmp_path / "m")
+    got = _rows(sec)
+    # the SCD rows still read the first run (the options run has no SCD, REUSE or perplexity)
+    assert got["SCD score >= 95% of the oracle's"].status == "met"
+    assert got["selective recompute >= 0.94 x the oracle"].status == "met"  # 38 vs 0.94 x 38 on the same items
+    assert got["selective recompute's quality vs DroidSpeak's"].status == "met"  # 38 vs 30, paired
+    assert got["selective recompute ships <= 1/4 of fp16 raw KV bytes per token"].met is True
+    assert got["selective recompute recomputes <= 1 of the consumer's layers"].kind == "check"
+    assert any("transfer options" in t.title and "1002" in t.title for t in sec.tables)
+    path.unlink()
+    _write(tmp_path / "m", _bench())
+    append_run(path, _options_bench(30), Recorder(code=("lab/transfer/section.py",), n=2, seeds=[1003]).finish())
+    got = _rows(build(tmp_path / "out", tmp_path / "m"))
+    assert got["selective recompute >= 0.94 x the oracle"].status == "missed"
+    assert got["selective recompute's quality vs DroidSpeak's"].status == "undecided"  # 30 vs 30: zero width
