@@ -4,7 +4,9 @@ A method is a registered object (one file each); code that branches on its name 
 is a second, hidden list of methods that a new method must find and edit. This scans ``src/kvstate`` with
 the ``ast`` module for comparisons (``==``, ``!=``, ``in``, ``not in``) of a name that says it holds a method
 (``method``, ``planner``, ``policy``, ``rule``, ``press`` in the variable or attribute) against string
-literals, and lists every offending line.
+literals, and lists every offending line. In the position axis (``src/kvstate/prefix``) a placement mode
+(``"path"`` / ``"tree"``, :class:`kvstate.prefix.placement.Placement`) compared as a literal is flagged whatever
+the variable is called: the store asks ``config.placement is Placement.TREE``.
 
 ``ALLOWED`` is the explicit allow-list of files that still branch on names — each entry says why and is
 meant to shrink to nothing; a registry's own module (where names are defined) is listed in ``REGISTRIES``.
@@ -17,7 +19,7 @@ import itertools
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvstate"
-WORDS = ("method", "planner", "policy", "rule", "press")
+WORDS = ("method", "planner", "policy", "rule", "press", "placement")
 
 # the registries: names are defined (and may be compared) here
 REGISTRIES: set[str] = {
@@ -58,6 +60,18 @@ def _position_names() -> set[str]:
 NAMES = _position_names()
 
 
+def _placement_names() -> set[str]:
+    """The placement modes: compared as literals they are flagged in the position axis (``prefix/``) only —
+    elsewhere "path" is too common a word to mean a mode."""
+    from kvstate.prefix.placement import Placement
+
+    return {m.value for m in Placement}
+
+
+PLACEMENTS = _placement_names()
+PLACEMENT_DIR = "prefix/"
+
+
 def _holds_method(node: ast.expr) -> str | None:
     if isinstance(node, ast.Attribute) and node.attr == "name":  # policy.name, self.method.name
         node = node.value
@@ -67,9 +81,9 @@ def _holds_method(node: ast.expr) -> str | None:
     return None
 
 
-def _registered_literal(node: ast.expr) -> bool:
+def _registered_literal(node: ast.expr, names: set[str]) -> bool:
     elts = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
-    return any(isinstance(e, ast.Constant) and e.value in NAMES for e in elts)
+    return any(isinstance(e, ast.Constant) and e.value in names for e in elts)
 
 
 def _literal_names(node: ast.expr) -> bool:
@@ -84,6 +98,8 @@ def offenders(path: Path) -> list[str]:
     """``file:line: source`` for each name comparison in ``path``."""
     text = path.read_text(encoding="utf-8")
     lines = text.splitlines()
+    rel = path.relative_to(SRC).as_posix()
+    names = NAMES | PLACEMENTS if rel.startswith(PLACEMENT_DIR) else NAMES
     out = []
     for node in ast.walk(ast.parse(text)):
         if not isinstance(node, ast.Compare):
@@ -94,8 +110,7 @@ def offenders(path: Path) -> list[str]:
                 continue
             eq = isinstance(op, (ast.Eq, ast.NotEq))
             if ((_holds_method(a) and _literal_names(b)) or (_holds_method(b) and _literal_names(a) and eq)
-                    or _registered_literal(b) or (eq and _registered_literal(a))):
-                rel = path.relative_to(SRC).as_posix()
+                    or _registered_literal(b, names) or (eq and _registered_literal(a, names))):
                 out.append(f"{rel}:{node.lineno}: {lines[node.lineno - 1].strip()}")
                 break
     return out
@@ -136,3 +151,16 @@ def test_the_scan_finds_a_name_comparison(tmp_path, monkeypatch):
                                 'probe.py:5: if "lru" != policy:', 'probe.py:9: if r["planner"] == "a":',
                                 'probe.py:11: if k != "optimal":', 'probe.py:13: if m.get("method") == "b":']
     assert f.is_file()
+
+
+def test_the_scan_finds_a_placement_mode_compared_as_a_string(tmp_path, monkeypatch):
+    src = 'if c.placement == "tree":\n    pass\nif mode in ("path", "tree"):\n    pass\nif kind == "path":\n    pass\n'
+    (tmp_path / "prefix").mkdir()
+    (tmp_path / "prefix" / "probe.py").write_text(src)
+    (tmp_path / "probe.py").write_text(src)
+    monkeypatch.setattr("tests.test_registries_guard.SRC", tmp_path)
+    # in the position axis every literal mode is a name; elsewhere only a variable that says it holds a placement
+    assert offenders(tmp_path / "prefix" / "probe.py") == [
+        'prefix/probe.py:1: if c.placement == "tree":', 'prefix/probe.py:3: if mode in ("path", "tree"):',
+        'prefix/probe.py:5: if kind == "path":']
+    assert offenders(tmp_path / "probe.py") == ['probe.py:1: if c.placement == "tree":']

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvstate.errors import BudgetError, KVStateError
 from kvstate.prefix.eviction import policy_names
-from kvstate.prefix.placement import planner_names
+from kvstate.prefix.placement import Placement, planner_names
 from kvstate.prefix.remote import check_remote_url
 from kvstate.validate import check_float, check_int
 
@@ -26,7 +26,8 @@ class PrefixCacheConfig:
     alpha: float = 1.0  # utility policy weight of recompute FLOPs saved per byte
     block_size: int = 64  # the "block" planner's spacing
     state_device: str | None = None  # keep stored tensors here (e.g. "cpu" for a RAM tier); None: the model's
-    placement: str = "path"  # "path": `planner` on each request's path; "tree": exact DP over a bounded subtree
+    # Placement.PATH: `planner` on each request's path; TREE: exact DP over a bounded subtree ("path" / "tree" accepted)
+    placement: Placement = Placement.PATH
     remote: str | None = None  # shared tier for replicas, "redis://host:port/db" (None: this process only)
     remote_retry_s: float = 1.0  # after the shared tier failed, serve local-only this long before retrying
     # a file holding the cluster key that signs the shared tier's entries (None: $KVSTATE_REMOTE_KEY, else unkeyed)
@@ -49,10 +50,7 @@ class PrefixCacheConfig:
             check_int("align", self.align, 1, 2**31 - 1, error=KVStateError, hint="; None uses the model's chunk size")
         check_float("alpha", self.alpha, 0.0, 1e12, error=KVStateError)
         check_int("block_size", self.block_size, 1, 2**31 - 1, error=KVStateError)
-        if self.placement not in ("path", "tree"):
-            raise KVStateError(
-                f"placement={self.placement!r} is not one of ['path', 'tree'] ('tree': exact placement over the radix tree)."
-            )
+        object.__setattr__(self, "placement", Placement.parse(self.placement))
         if self.remote is not None:
             check_remote_url(self.remote)
         check_float("remote_retry_s", self.remote_retry_s, 0.0, 3600.0, error=KVStateError)

@@ -9,7 +9,9 @@ tokens. Given overlap-depth weights ``w_t`` (t = 0..N) we minimise ``sum_t w_t r
 Methods (planners, registered objects in ``PLANNERS``; :func:`register_planner` adds one, :func:`get_planner`
 looks one up and lists the registry for an unknown name): ``optimal`` (exact DP, Theorem 2), ``balanced`` (even
 spacing, optimal for uniform weights, Theorem 1) and the paper's baselines ``block``, ``log``, ``sqrt``, plus
-``junction`` (Marconi-style: checkpoint the most frequent overlap depths).
+``junction`` (Marconi-style: checkpoint the most frequent overlap depths). Where the prefix store plans is
+one :class:`Placement` mode — ``path`` (a planner on each request's path) or ``tree`` (the exact DP over a bounded
+subtree, :mod:`kvstate.prefix.tree_plan`); :meth:`Placement.parse` is the one check of that option.
 
 The exact DP works on savings instead of cost. With ``G(c) = sum_{t >= c} w_t`` and ``c_0 = 0``,
 ``sum_t w_t l(t; C) = sum_k (c_k - c_{k-1}) G(c_k)`` (Abel summation), so with ``f_m[j]`` the best
@@ -45,16 +47,36 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
 
+from kvstate.errors import KVStateError
 from kvstate.prefix.envelope import tangent_points
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 MAX_PLAN_BYTES = 4 * 2**30  # the exact planner's back-pointers beyond this are refused before allocating
+
+
+class Placement(StrEnum):
+    """Where the prefix store plans checkpoints; a ``str``, so configs and JSON read and write "path" / "tree"."""
+
+    PATH = "path"  # a registered planner on each request's path (this module)
+    TREE = "tree"  # the exact DP over a bounded subtree of the radix tree (kvstate.prefix.tree_plan)
+
+    @classmethod
+    def parse(cls, value: object, option: str = "placement",
+              error: type[KVStateError] = KVStateError) -> Placement:
+        """``value`` as a mode (a member or its exact name); anything else raises ``error`` naming the option."""
+        if isinstance(value, str):
+            for mode in cls:
+                if value == mode.value:
+                    return mode
+        raise error(f"{option}={value!r} is not a placement; choose one of {', '.join(m.value for m in cls)} "
+                    "('tree': exact placement over a bounded subtree of the radix tree)")
 
 
 def _weights(weights: npt.ArrayLike) -> FloatArray:

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvstate.errors import BudgetError, KVStateError
 from kvstate.prefix import tree_plan
+from kvstate.prefix.placement import Placement
 from kvstate.prefix.store_eviction import TreeEviction
 from kvstate.prefix.store_learning import OverlapLearning, Undo
 from kvstate.prefix.store_types import (
@@ -264,7 +265,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
         if self.config.has_recurrent and self.config.slots_per_entry > 0 and n > 2:
             undo = self._observe(path, t, n) if serving else None  # the plan sees this request's own overlap
             try:
-                if self.config.placement == "tree":
+                if self.config.placement is Placement.TREE:
                     plan, stamps = self._tree_plan(path, t, n)
                 else:
                     weights = self._path_weights(path, t, n, declared)
@@ -430,7 +431,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
             (p for p in existing if p not in txn.plan), key=lambda p: self._state_clock(path, p)
         )
         trim = unplanned[: max(over, 0)]
-        if c.placement == "tree":  # planned states stay; unplanned ones go (oldest first) past the path's share
+        if c.placement is Placement.TREE:  # planned states stay; unplanned ones go (oldest first) past the path's share
             keep = [p for p in unplanned if any(p in v.planned for v in path if v.top < p <= v.depth)]
             planned_here = len(existing) - len(unplanned) + len(keep) + len(new_states.keys() - ends)
             over = len(existing) + len(new_states.keys() - ends) - max(c.slots_per_entry, planned_here)
@@ -455,7 +456,7 @@ class PrefixStore(OverlapLearning, TreeEviction):
         self._evict(victims)
         leaf = self._insert_path(tokens, kv)
         path, _ = self._walk(tokens)
-        if c.placement == "tree" and leaf is not None and leaf.plan_sub is None and txn.replanned:
+        if c.placement is Placement.TREE and leaf is not None and leaf.plan_sub is None and txn.replanned:
             leaf.planned = {p for p in txn.plan if leaf.top < p <= leaf.depth}  # the virtual leaf's points
             leaf.plan_sub, leaf.plan_own = leaf.sub_mass, sum(leaf.mass.values())
         for p, payload in new_states.items():

@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from kvstate.errors import BudgetError
 from kvstate.prefix.eviction import Policy
+from kvstate.prefix.placement import Placement
 from kvstate.prefix.tree_plan import Stamp, TreeLimits
 
 FloatArray = npt.NDArray[np.float64]
@@ -131,7 +132,7 @@ class StoreConfig:
     policy: str = Policy.LRU.value  # a registered eviction policy (kvstate.prefix.eviction.POLICIES)
     alpha: float = 1.0  # utility policy weight of FLOP efficiency
     flops_per_token: float = 1.0
-    placement: str = "path"  # "path": line planner per request path; "tree": exact DP over a subtree
+    placement: Placement = Placement.PATH  # PATH: line planner per request path; TREE: exact DP over a subtree
     align: int = 1  # checkpoint grid of the tree placement (the path planner aligns itself)
     tree: TreeLimits = field(default_factory=TreeLimits)  # caps of the tree placement (see tree_plan.py)
     # a capture costs an extra forward call: make it only when the tokens it is expected to save later
@@ -139,8 +140,7 @@ class StoreConfig:
     capture_min_saving: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.placement not in ("path", "tree"):
-            raise BudgetError(f"placement={self.placement!r} must be 'path' or 'tree'.")
+        object.__setattr__(self, "placement", Placement.parse(self.placement, error=BudgetError))
         if self.align < 1:
             raise BudgetError(f"align={self.align} must be >= 1.")
         if self.slots_per_entry < 0:

@@ -100,6 +100,7 @@ def replay_command(
     from kvstate.lab.workloads.traces import read_trace
     from kvstate.models import load_model
     from kvstate.prefix.config import PrefixCacheConfig
+    from kvstate.prefix.placement import Placement
 
     if server is not None:
         _replay_server(server, baseline_server, trace, limit, as_json)
@@ -160,7 +161,7 @@ def replay_command(
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
-            r.planner if r.placement == "path" else f"{r.planner} ({r.placement})",
+            r.planner if r.placement == Placement.PATH else f"{r.planner} ({r.placement})",
             str(r.slots),
             f"{r.tokens_reused:,}",
             f"{r.predicted_reused:,}",
@@ -238,13 +239,13 @@ def replay_bench_command(
     from kvstate.lab.lists import parse_names
     from kvstate.lab.prefix.bench import WORKLOADS, ReplayBench, run_bench
     from kvstate.lab.workloads.traces import WORKLOADS as KNOWN
-    from kvstate.prefix.placement import planner_names
+    from kvstate.prefix.placement import Placement, planner_names
 
     bench = ReplayBench(
         requests=requests, scale=scale, seed=seed, repeats=repeats, declare=declare, example=not no_example,
         planners=tuple(parse_names(planners, "--planners", list(planner_names()), example="optimal,balanced")),
         workloads=tuple(parse_names(workloads, "--workloads", list(KNOWN), example=",".join(WORKLOADS[:2]))),
-        placement=tuple(parse_names(placement, "--placement", ["path", "tree"], example="path,tree"))
+        placement=tuple(parse_names(placement, "--placement", [m.value for m in Placement], example="path,tree"))
         if placement else (),
         grid=_grid(grid), baseline=not no_baseline, model=model_dir)
     run_bench(bench, out, overwrite=overwrite)
