@@ -140,7 +140,7 @@ def test_missing_bench_names_the_command(tmp_path: Path) -> None:
     (tmp_path / CODEC).mkdir()  # the default (shifted) pair's codec without either result file: both marked missing
     sec = build(tmp_path / "out", tmp_path)
     assert [h.status for h in sec.headline] == ["missing", "missing"]
-    assert "kvstate transfer bench" in sec.headline[0].measured and "transfer_ttft.py" in sec.headline[1].measured
+    assert "kvstate transfer bench" in sec.headline[0].measured and "kvstate transfer ttft" in sec.headline[1].measured
     assert "--out models/codec-ref-attn-ft2/ttft.json" in sec.headline[1].measured
     assert "--length 1024,4096,8128" in sec.headline[0].measured  # quality at the TTFT grid's lengths
     assert any(NEAR_ALIGNED.codec in n and "no codec" in n for n in sec.notes)  # the control is listed, not read
@@ -185,7 +185,7 @@ def test_consumer_card_is_generated_from_the_run(tmp_path: Path) -> None:
 
 
 def _ttft_row(method: str, length: int, ms: dict[str, tuple[float, float]], spread: float = 0.1) -> dict:
-    """A benchmarks/transfer_ttft.py row: per rate key (cold, warm) medians and a min / max spread."""
+    """A `kvstate transfer ttft` row: per rate key (cold, warm) medians and a min / max spread."""
     row = {"method": method, "length": length, "n": 5, "ttft_ms": {}, "ttft_range_ms": {}, "achieved_gbit_s": {}}
     for key, (cold, warm) in ms.items():
         row["ttft_ms"][key] = {"cold": cold, "warm": warm}
@@ -285,7 +285,7 @@ def test_ttft_without_the_target_cell_or_with_stale_provenance_is_marked(tmp_pat
     sec = build(tmp_path / "out", tmp_path / "m")
     timed = [h for h in sec.headline if "TTFT" in h.target]
     assert len(timed) == 2 and {h.status for h in timed} == {"stale"}
-    assert all("transfer_ttft.py" in h.measured for h in timed)
+    assert all("kvstate transfer ttft" in h.measured for h in timed)
     _write(tmp_path / "m", {**_ttft(scd_warm_8k=300.0), "rows": [
         {**r, "n": 3} for r in _ttft(scd_warm_8k=300.0)["rows"]]}, name=TTFT_FILE)  # 3 repeats: cannot decide
     warm = _rows(build(tmp_path / "out", tmp_path / "m"))["warm TTFT >= 2x faster than the oracle at 8K on the 1 Gbit/s link"]
@@ -370,3 +370,23 @@ def test_an_options_run_gets_its_own_rows_and_the_scd_targets_keep_reading_the_f
     got = _rows(build(tmp_path / "out", tmp_path / "m"))
     assert got["selective recompute >= 0.94 x the oracle"].status == "missed"
     assert got["selective recompute's quality vs DroidSpeak's"].status == "undecided"  # 30 vs 30: zero width
+
+
+def test_a_ttft_run_with_selective_recompute_gets_its_own_rows_vs_the_oracle_and_droidspeak(tmp_path: Path) -> None:
+    _write(tmp_path / "m", _bench())
+    ttft = _ttft(scd_warm_8k=300.0)
+    # recompute warm 600 ms at 8K, 1 Gbit/s: 1.67x the oracle's 1000 ms at the median, 1100 / 540 = 2.04x at the
+    # repeats' best (undecided); DroidSpeak 400 ms warm there: recompute decidedly slower (440 / 540 < 1: missed)
+    ttft["rows"] += [_ttft_row("scd_recompute", n, {"0.1": (900.0 * n / 8192, 900.0 * n / 8192),
+                                                    "1": (700.0 * n / 8192, 600.0 * n / 8192)}) for n in (1024, 8192)]
+    _write(tmp_path / "m", ttft, name=TTFT_FILE)
+    got = _rows(build(tmp_path / "out", tmp_path / "m"))
+    vs_oracle = got["warm TTFT >= 2x faster than the oracle at 8K on the 1 Gbit/s link"]  # SCD's row is unchanged
+    assert vs_oracle.status == "met"
+    rc = [h for k, h in got.items() if k.startswith("selective recompute warm TTFT >= 2x")]
+    assert len(rc) == 1 and rc[0].status == "undecided" and "1.67x" in rc[0].measured
+    ds = got["selective recompute warm TTFT faster than droidspeak warm at 8K on the 1 Gbit/s link"]
+    assert ds.status == "missed" and "0.67x" in ds.measured
+    ttft["rows"] = [r for r in ttft["rows"] if r["method"] != "scd_recompute"]
+    _write(tmp_path / "m", ttft, name=TTFT_FILE)
+    assert not any(k.startswith("selective recompute") for k in _rows(build(tmp_path / "out", tmp_path / "m")))

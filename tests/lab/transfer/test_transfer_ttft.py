@@ -136,17 +136,59 @@ def test_profiled_options_reach_the_server_and_the_store_key(dirs: tuple[Path, P
     assert argvs[0][-2:] == ["--option", "block=1:2"] and "--option" not in argvs[1]
     with pytest.raises(KVStateError, match="takes no option block"):
         TTFTConfig(options={"raw": {"block": "1:2"}})
-    import importlib.util
+    from kvstate.lab.transfer.ttft import method_options, profiled_options
 
-    spec_ = importlib.util.spec_from_file_location("transfer_ttft", Path(__file__).parents[3] / "benchmarks" /
-                                                   "transfer_ttft.py")
-    assert spec_ is not None and spec_.loader is not None
-    bench = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(bench)
-    assert bench.profiled_options({"droidspeak_block": [1, 3]}) == {"droidspeak": {"block": "1:3"}}  # older files
-    assert bench.profiled_options({"method_options": {"droidspeak": {"block": "0:2"}}}) == \
-        {"droidspeak": {"block": "0:2"}}
-    assert bench.method_options("droidspeak.block=1:2,scd.patch=0", codec_dir) == \
+    assert profiled_options({"droidspeak_block": [1, 3]}) == {"droidspeak": {"block": "1:3"}}  # older files
+    assert profiled_options({"method_options": {"droidspeak": {"block": "0:2"}}}) == {"droidspeak": {"block": "0:2"}}
+    assert method_options("droidspeak.block=1:2,scd.patch=0", codec_dir) == \
         {"droidspeak": {"block": "1:2"}, "scd": {"patch": "0"}}
     with pytest.raises(KVStateError, match="--options 'zip'"):
-        bench.method_options("zip.x=1", codec_dir)
+        method_options("zip.x=1", codec_dir)
+    # a profiled artifact the bench kept in a temporary directory that is gone: named, with the command that keeps one
+    from kvstate.lab.provenance import append_run
+
+    append_run(codec_dir / "bench.json", {"method_options": {"scd_recompute": {"artifact": str(tmp_path / "gone")}}},
+               {"seeds": [0]})
+    with pytest.raises(KVStateError, match="kvstate transfer profile --method scd_recompute"):
+        method_options("auto", codec_dir, ["scd_recompute"])
+    assert method_options("auto", codec_dir, ["droidspeak"]) == {"scd_recompute": {"artifact": str(tmp_path / "gone")}}
+
+
+def test_ttft_command_writes_a_result_and_profile_keeps_a_methods_artifact(dirs: tuple[Path, Path, Path],
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from kvstate.transfer.methods.recompute import ScdRecompute
+
+    p, c, codec = dirs
+    monkeypatch.setattr(ttft, "namespace_support", lambda: "not permitted here (needs root)")
+    out = tmp_path / "ttft.json"
+    args = ["transfer", "ttft", "--producer", str(p), "--consumer", str(c), "--codec", str(codec), "--rate", "1",
+            "--length", "64", "--methods", "raw", "--options", "none", "--seed", "3", "--out", str(out)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    run = json.loads(out.read_text())["runs"][-1]
+    assert run["skipped"] == {"1": "not permitted here (needs root)"} and run["provenance"]["seeds"] == [3]
+    assert run["provenance"]["settings"]["methods"] == ["raw"]
+
+    def fake_profile(self: object, producer: object, consumer: object, prompts: list[torch.Tensor],
+                     ctx: object) -> tuple[dict[str, str], dict[str, object]]:
+        f = Path(tempfile.mkdtemp(prefix="kvstate-recompute-")) / "recompute.safetensors"
+        f.write_bytes(b"trained-" + bytes([len(prompts)]))
+        return {"artifact": str(f)}, {"layer": 1}
+
+    monkeypatch.setattr(ScdRecompute, "profile", fake_profile)
+    keep = tmp_path / "profiles"
+    prof = ["transfer", "profile", "--method", "scd_recompute", "--producer", str(p), "--consumer", str(c),
+            "--codec", str(codec), "--out", str(keep)]
+    res = CliRunner().invoke(app, prof)
+    assert res.exit_code == 0, res.output
+    assert (keep / "scd_recompute.safetensors").read_bytes() == b"trained-" + bytes([48])  # its 48 prefixes
+    doc = json.loads((keep / "scd_recompute.json").read_text())
+    assert doc["options"] == {"artifact": str(keep / "scd_recompute.safetensors")} and doc["info"] == {"layer": 1}
+    again = CliRunner().invoke(app, prof)  # kept before: not replaced without --overwrite
+    assert isinstance(again.exception, KVStateError) and "--overwrite" in str(again.exception)
+    assert (keep / "scd_recompute.safetensors").read_bytes() == b"trained-" + bytes([48])
+    none = CliRunner().invoke(app, [*prof[:3], "reuse", *prof[4:-1], str(tmp_path / "other")])
+    assert isinstance(none.exception, KVStateError) and "trains no artifact" in str(none.exception)

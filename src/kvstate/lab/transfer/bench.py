@@ -79,15 +79,21 @@ class BenchConfig:
 Row = tuple[TransferMethod, MethodContext]
 
 
+def profile_prompts(tokenizer: Any, ctx: MethodContext, n: int) -> list[torch.Tensor]:
+    """The first ``n`` prefixes (512 tokens) of the codec's calibration stream: dev data, never a test seed; every
+    method profiles on this one stream (the bench and ``kvstate transfer profile`` alike)."""
+    from kvstate.lab.transfer.prompts import calibration_prompts
+    from kvstate.transfer.calibrate import CalibrationConfig
+
+    seed = int((ctx.codec.info.get("config") or {}).get("seed", 7919))
+    return calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, n), length=512, seed=seed))[:n]
+
+
 def bench_rows(producer: Any, consumer: Any, tokenizer: Any, ctx: MethodContext, cfg: BenchConfig,
                journal: Journal | None = None) -> tuple[dict[str, Row], dict[str, dict[str, Any]]]:
     """(row name -> (method, context), method -> {options, info} of its profiling), in table order; the
     oracle first whatever ``cfg.methods`` says (it is every row's reference)."""
-    from kvstate.lab.transfer.prompts import calibration_prompts
-    from kvstate.transfer.calibrate import CalibrationConfig
-
     chosen = [m for m in registry.methods() if not cfg.methods or m.name in cfg.methods or not m.ships_payload]
-    seed = int((ctx.codec.info.get("config") or {}).get("seed", 7919))  # the calibration stream: dev data, not test
     prompts: list[torch.Tensor] | None = None
     rows: dict[str, Row] = {}
     profiles: dict[str, dict[str, Any]] = {}
@@ -96,8 +102,7 @@ def bench_rows(producer: Any, consumer: Any, tokenizer: Any, ctx: MethodContext,
         nonlocal prompts
         want = max(cfg.profile_prefixes, *(c.calibration_prefixes for c in chosen))
         if prompts is None or len(prompts) < want:
-            prompts = calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, want), length=512,
-                                                                       seed=seed))[:want]
+            prompts = profile_prompts(tokenizer, ctx, want)
         # each method profiles on the prefixes it asks for (at least the bench's), the same stream for all
         opts, info = m.profile(producer, consumer, prompts[: max(cfg.profile_prefixes, m.calibration_prefixes)], ctx)
         return [opts, info]

@@ -205,6 +205,143 @@ def bench_command(
         print_json({**result, "provenance": prov})
 
 
+@app.command("profile")
+def profile_command(
+    method: Annotated[str, typer.Option("--method", help="A registered method that trains an artifact "
+                                        "(`kvstate transfer methods`).")],
+    out: Annotated[Path, typer.Option("--out", help="Directory that keeps the artifact (METHOD.safetensors) and "
+                                      "its profile (METHOD.json); created if absent.")],
+    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")] = Path("models/ref-attn-ft2"),
+    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an artifact kept there before.")] = False,
+    threads: Annotated[int, typer.Option("--threads", help="torch CPU threads.")] = 1,
+) -> None:
+    """Profile one method on the codec's calibration stream (dev data; the bench's own profiling, kept): its trained
+    artifact goes to OUT/METHOD.safetensors and what the profile chose (options, info) to OUT/METHOD.json, so a
+    producer (`kvstate transfer serve --option artifact=...`) and the TTFT grid can use the same artifact later."""
+    import json
+    import shutil
+
+    from kvstate.io_safety import write_bytes_atomic, write_text_atomic
+    from kvstate.lab.harness import load_reference
+    from kvstate.lab.provenance import Recorder
+    from kvstate.lab.transfer.bench import profile_prompts
+    from kvstate.transfer import methods as registry
+    from kvstate.transfer.codec import Codec
+
+    _threads(threads)
+    m = registry.get(method)
+    art, info_path = out / f"{method}.safetensors", out / f"{method}.json"
+    if out.exists() and not out.is_dir():
+        raise KVStateError(f"--out {str(out)!r} is a file; pass a directory")
+    for f in (art, info_path):
+        if f.exists() and not overwrite:
+            raise KVStateError(f"--out {str(out)!r} already keeps {f.name}; pass --overwrite to replace it")
+    codec = Codec.load(codec_dir)
+    rec = Recorder(code=("transfer", "lab/transfer/bench.py", "lab/transfer/prompts.py"),
+                   models=[producer, consumer, codec_dir], settings={"method": method})
+    p, tok = load_reference(producer)
+    c, _ = load_reference(consumer)
+    ctx = registry.MethodContext(codec=codec, codec_dir=codec_dir)
+    prompts = profile_prompts(tok, ctx, max(4, m.calibration_prefixes))
+    console.print(f"[dim]profiling {method} on {len(prompts)} calibration prefixes ...[/]")
+    opts, info = m.profile(p, c, prompts, ctx)
+    files = {k: Path(v) for k, v in opts.items() if Path(v).is_file()}
+    if not files:
+        raise KVStateError(f"--method {method} trains no artifact (its profile chose {opts or 'nothing'}); it needs "
+                           "no `kvstate transfer profile`")
+    if len(files) > 1:
+        raise KVStateError(f"--method {method}'s profile wrote {len(files)} files ({', '.join(files)}); one expected")
+    out.mkdir(parents=True, exist_ok=True)
+    (key, src), = files.items()
+    write_bytes_atomic(art, src.read_bytes())
+    shutil.rmtree(src.parent, ignore_errors=True) if src.parent.name.startswith("kvstate-") else None
+    doc = {"method": method, "options": {**opts, key: str(art)}, "info": info, "prefixes": len(prompts),
+           "producer": str(producer), "consumer": str(consumer), "codec": str(codec_dir),
+           "provenance": rec.finish()}
+    write_text_atomic(info_path, json.dumps(doc, indent=1, default=str) + "\n")
+    console.print(f"{method}: {key}={art}; {json.dumps(info, default=str)[:300]}")
+
+
+TTFT_CODE = ("transfer", "models", "lab/netns.py", "lab/transfer/ttft.py", "lab/transfer/bench.py",
+             "lab/transfer/cli.py")
+
+
+@app.command("ttft")
+def ttft_command(
+    producer: Annotated[Path, typer.Option("--producer", help="Producer model directory.")] = Path("models/ref-attn"),
+    consumer: Annotated[Path, typer.Option("--consumer", help="Consumer model directory.")] = Path("models/ref-attn-ft2"),
+    codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
+    rate: Annotated[str, typer.Option("--rate", help="Shaped link rates, Gbit/s, comma-separated ('none': only "
+                                      "--unshaped).")] = "0.1,1,10",
+    lengths: Annotated[str, typer.Option("--length", help="Prompt tokens, comma-separated.")] = "1K,4K,8K",
+    repeats: Annotated[int, typer.Option("--repeats", help="Prompts per length, interleaved (>= 5 for a timing "
+                                         "result).")] = 5,
+    methods: Annotated[str | None, typer.Option("--methods", help="Registered methods that ship a payload, "
+                                                "comma-separated (default: all).")] = None,
+    options: Annotated[str, typer.Option("--options", help="Per-method options: 'auto' (what the bench's profiling "
+                                         "chose, from CODEC/bench.json), 'none' (defaults) or METHOD.KEY=VALUE,...")
+                       ] = "auto",
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the prompts.")] = 0,
+    unshaped: Annotated[bool, typer.Option("--unshaped", help="Also measure plain loopback (no namespace).")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Append the run, with its provenance, to this result file "
+                                             "(e.g. CODEC/ttft.json).")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start the --out file afresh.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON document (the table goes to stderr).")] = False,
+) -> None:
+    """Time to first token end to end over a kernel-shaped link: producer (`kvstate transfer serve`, one process per
+    method) and consumer in a private network namespace per rate; cold, warm (payload in the store) and the oracle
+    (the consumer's own prefill), interleaved repeats. Shaped rates need network namespaces (root); where they are
+    not permitted they are listed as skipped, never estimated."""
+    from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
+    from kvstate.lab.experiment import preflight
+    from kvstate.lab.lists import parse_floats, parse_ints, parse_names
+    from kvstate.lab.provenance import Recorder
+    from kvstate.lab.transfer.ttft import TTFTConfig, method_options, run_ttft
+    from kvstate.transfer import methods as registry
+
+    chosen = tuple(parse_names(methods, "--methods", registry.served_methods())) if methods else ()
+    rates = () if rate == "none" else tuple(parse_floats(rate, "--rate", lo=0.0, lo_open=True, example="0.1,1,10"))
+    cfg = TTFTConfig(rates_gbit=rates, lengths=tuple(parse_ints(lengths, "--length", lo=2, example="1K,4K")),
+                     repeats=repeats, seed=seed, unshaped=unshaped, methods=chosen,
+                     options=method_options(options, codec_dir, chosen or registry.served_methods()))
+    rec = Recorder(code=TTFT_CODE, models=[producer, consumer, codec_dir], n=cfg.repeats, seeds=[cfg.seed],
+                   lengths=cfg.lengths, settings={"rates_gbit": list(cfg.rates_gbit), "methods": list(cfg.method_list),
+                                                  "unshaped": cfg.unshaped, "threads": 1, "options": cfg.options})
+    if out is not None:
+        check_results_out(out, overwrite=overwrite)
+        preflight(out, rec.finish())  # a seed the ledger refuses: now, not after the measuring
+    err = Console(stderr=True)
+    result = run_ttft(cfg, producer, consumer, codec_dir, log=lambda s: err.print(f"[dim]{s}[/]"))
+    prov = rec.finish()
+    if out is not None:
+        write_results(out, result, prov, overwrite=overwrite)
+    for key, why in result["skipped"].items():
+        err.print(f"[yellow]rate {key} Gbit/s skipped: {why}[/]")
+    if result["rows"]:
+        table_console(as_json).print(ttft_table(result))
+    if as_json:
+        print_json({**result, "provenance": prov})
+
+
+def ttft_table(result: dict) -> Table:  # type: ignore[type-arg]
+    keys = [*result["links"]]
+    t = Table(title="time to first token, ms (median cold / warm; oracle: own prefill)")
+    for col in ("method", "length", "B/token", *(f"{k} Gbit/s" if k != "loopback" else k for k in keys), "agrees"):
+        t.add_column(col, justify="right")
+    for r in result["rows"]:
+        cells = []
+        for k in keys:
+            c = r["ttft_ms"][k]
+            cells.append(f"{c['cold']:.1f}" if "payload_bytes" not in r else f"{c['cold']:.1f} / {c['warm']:.1f}")
+        t.add_row(r["method"], str(r["length"]), f"{r.get('payload_bytes_per_token', 0):.1f}", *cells,
+                  f"{r['first_token_agrees']:.2f}" if "first_token_agrees" in r else "")
+    t.caption = "; ".join(f"{k}: {'unshaped' if v['rate_gbit'] is None else 'set ' + str(v['rate_gbit'])}, achieved "
+                          f"{v['achieved_gbit_s']:.3f} Gbit/s" for k, v in result["links"].items())
+    return t
+
+
 @app.command("card")
 def card_command(
     model: Annotated[Path | None, typer.Option("--model", help="The fine-tuned consumer directory.")] = None,

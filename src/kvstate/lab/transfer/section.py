@@ -7,7 +7,7 @@ report reuses them; ``make reproduce`` regenerates both):
 
 - ``bench.json`` from ``kvstate transfer bench``: quality per method and length with intervals, payload
   size, the consumer layers each method recomputes, the PATCH budget rows, the rank ablation, the drift;
-- ``ttft.json`` from ``benchmarks/transfer_ttft.py``: time to first token measured end to end over a
+- ``ttft.json`` from ``kvstate transfer ttft``: time to first token measured end to end over a
   loopback shaped by the kernel, cold / warm / oracle per method, length and link rate, with the rate
   the link actually achieved.
 
@@ -110,7 +110,7 @@ class Pair:
                 f"--seed {SEED} --out models/{self.codec}/{BENCH_FILE}")
 
     def ttft_command(self) -> str:
-        return (f"python benchmarks/transfer_ttft.py --producer models/{self.producer} --consumer models/{self.consumer} "
+        return (f"kvstate transfer ttft --producer models/{self.producer} --consumer models/{self.consumer} "
                 f"--codec models/{self.codec} --rate 0.1,1,10 --length 1K,4K,8K --repeats 5 --seed {SEED} "
                 f"--out models/{self.codec}/{TTFT_FILE}")
 
@@ -427,34 +427,54 @@ def pareto_ttft_figure(pairs: list[tuple[str, dict[str, Any], dict[str, Any]]], 
                   "pair's bench.json at the same length, on the cells the oracle solves, with 95% intervals.")
 
 
-def ttft_targets(ttft: dict[str, Any], bench: dict[str, Any] | None, art: Artifact, label: str) -> list[HeadlineRow]:
-    """Warm SCD vs the oracle at 8K on the 1 Gbit/s link (decided from the repeats' spread), and whether SCD is on
+def ttft_targets(ttft: dict[str, Any], bench: dict[str, Any] | None, art: Artifact, label: str,
+                 method: str = "scd", name: str = "SCD", rival: str | None = None,
+                 named: bool = False) -> list[HeadlineRow]:
+    """Warm ``method`` vs the oracle at 8K on the 1 Gbit/s link (decided from the repeats' spread), vs a ``rival``
+    method's warm TTFT there when given (``rival`` / ``method`` > 1 over the repeats' min / max), and whether it is on
     the TTFT-vs-quality front at every rate, warm (intervals on both axes, the oracle among the rivals, equal
     length)."""
     tag = f"[{label}] " if label else ""
-    what = f"{tag}warm TTFT >= {TTFT_FACTOR:g}x faster than the oracle at {TTFT_LENGTH // 1024}K on the " \
+    who = f"{name} " if named else ""  # SCD's rows keep their names
+    what = f"{tag}{who}warm TTFT >= {TTFT_FACTOR:g}x faster than the oracle at {TTFT_LENGTH // 1024}K on the " \
            f"{TTFT_RATE} Gbit/s link"
     cells_ = ttft_cells(ttft)
-    scd, oracle = cells_.get(("scd", TTFT_LENGTH, TTFT_RATE)), cells_.get((REFERENCE, TTFT_LENGTH, TTFT_RATE))
+    scd, oracle = cells_.get((method, TTFT_LENGTH, TTFT_RATE)), cells_.get((REFERENCE, TTFT_LENGTH, TTFT_RATE))
     if scd is None or oracle is None:
         why = (ttft.get("skipped") or {}).get(TTFT_RATE)
-        rows = [artifact_row(art, TECHNIQUE, what, "not measured: the file has no scd / oracle cell at "
+        rows = [artifact_row(art, TECHNIQUE, what, f"not measured: the file has no {method} / oracle cell at "
                              f"{TTFT_LENGTH} tokens, {TTFT_RATE} Gbit/s" + (f" (rate skipped: {why})" if why else ""),
                              status="missing")]
     else:
         repeats = scd.get("n")
         try:
             o = stats.timing_row(oracle["cold"], oracle["cold_range"], oracle.get("n"), what="oracle TTFT")
-            w = stats.timing_row(scd["warm"], scd["warm_range"], repeats, what="SCD warm TTFT")
+            w = stats.timing_row(scd["warm"], scd["warm_range"], repeats, what=f"{name} warm TTFT")
         except Exception as exc:  # too few repeats or no spread: the row cannot be decided
             rows = [artifact_row(art, TECHNIQUE, what, f"not decided: {exc}", status="undecided")]
         else:
             ratio, worst, best = o.value / w.value, o.lo / w.hi, o.hi / w.lo
             achieved = f"; achieved {scd['achieved']:.3g} Gbit/s" if isinstance(scd["achieved"], (int, float)) else ""
-            rows = [artifact_row(art, TECHNIQUE, what, f"{ratio:.2f}x (oracle {o.value:.0f} ms vs SCD warm "
+            rows = [artifact_row(art, TECHNIQUE, what, f"{ratio:.2f}x (oracle {o.value:.0f} ms vs {name} warm "
                                  f"{w.value:.0f} ms; {worst:.2f}x-{best:.2f}x over the repeats' min / max{achieved})",
                                  status=stats.decide(worst, best, TTFT_FACTOR), repeats=repeats, ci=(worst, best))]
-    front_what = (f"{tag}SCD on the TTFT-vs-quality front at every rate, warm (intervals on both axes, the oracle "
+    riv = cells_.get((rival, TTFT_LENGTH, TTFT_RATE)) if rival else None
+    if rival and scd is not None:
+        vs_what = f"{tag}{name} warm TTFT faster than {rival} warm at {TTFT_LENGTH // 1024}K on the {TTFT_RATE} Gbit/s link"
+        if riv is None:
+            rows.append(artifact_row(art, TECHNIQUE, vs_what, f"not measured: no {rival} cell", status="missing"))
+        else:
+            try:
+                r_ = stats.timing_row(riv["warm"], riv["warm_range"], riv.get("n"), what=f"{rival} warm TTFT")
+                w_ = stats.timing_row(scd["warm"], scd["warm_range"], scd.get("n"), what=f"{name} warm TTFT")
+            except Exception as exc:  # too few repeats or no spread
+                rows.append(artifact_row(art, TECHNIQUE, vs_what, f"not decided: {exc}", status="undecided"))
+            else:
+                lo_, hi_ = r_.lo / w_.hi, r_.hi / w_.lo
+                rows.append(artifact_row(art, TECHNIQUE, vs_what, f"{r_.value / w_.value:.2f}x ({rival} {r_.value:.0f} "
+                                         f"ms vs {w_.value:.0f} ms; {lo_:.2f}x-{hi_:.2f}x over the repeats' min / max)",
+                                         status=stats.decide(lo_, hi_, 1.0), repeats=scd.get("n"), ci=(lo_, hi_)))
+    front_what = (f"{tag}{name} on the TTFT-vs-quality front at every rate, warm (intervals on both axes, the oracle "
                   "among the rivals, equal length)")
     if bench is None:
         return [*rows, artifact_row(art, TECHNIQUE, front_what, f"no bench.json for the {label or 'default'} pair "
@@ -473,14 +493,14 @@ def ttft_targets(ttft: dict[str, Any], bench: dict[str, Any] | None, art: Artifa
                                  + "): quality cannot rank the methods there; not decided", status="undecided"))
         return rows
     _, pr = pareto_rows(bench, ttft)
-    warm = [r for r in pr if r["mode"] == "warm" and "scd" in r["status"]]
+    warm = [r for r in pr if r["mode"] == "warm" and method in r["status"]]
     if not warm:
-        rows.append(artifact_row(art, TECHNIQUE, front_what, "no warm SCD point shared with bench.json",
+        rows.append(artifact_row(art, TECHNIQUE, front_what, f"no warm {name} point shared with bench.json",
                                  status="missing"))
         return rows
-    shown = "; ".join(f"{r['rate']} Gbit/s {r['mode']}: {r['status']['scd']}" for r in pr if "scd" in r["status"])
+    shown = "; ".join(f"{r['rate']} Gbit/s {r['mode']}: {r['status'][method]}" for r in pr if method in r["status"])
     rows.append(artifact_row(art, TECHNIQUE, front_what, f"{shown} ({length:,}-token TTFT, quality at {at:,})",
-                             status=protocol.combine_status([r["status"]["scd"] for r in warm])))
+                             status=protocol.combine_status([r["status"][method] for r in warm])))
     return rows
 
 
@@ -638,6 +658,9 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
         for key, why in (ttft.get("skipped") or {}).items():
             notes_out.append(f"{pair.label}: TTFT at {key} Gbit/s not measured — {why}")
         headline += ttft_targets(ttft, bench, tart, pair.label)
+        if any(r.get("method") == RECOMPUTE for r in ttft.get("rows") or []):
+            headline += ttft_targets(ttft, options.run or bench, tart, pair.label, RECOMPUTE, "selective recompute",
+                                     rival=DROIDSPEAK, named=True)
         summary[pair.label]["ttft_rows"] = ttft.get("rows")
         if bench is not None:
             timed.append((pair.label, bench, ttft))

@@ -111,6 +111,50 @@ def bulk_bytes(rate: float | None, seconds: float) -> int:
     return min(max(n, 1 << 20), 512 << 20)
 
 
+def profiled_options(run: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The options each method's offline profiling chose in one bench run (``method_options``); a run written
+    before methods were registered kept only DroidSpeak's block, as ``droidspeak_block`` [a, b]."""
+    if isinstance(run.get("method_options"), dict):
+        return {m: {k: str(v) for k, v in o.items()} for m, o in run["method_options"].items()}
+    block = run.get("droidspeak_block")
+    return {"droidspeak": {"block": f"{block[0]}:{block[1]}"}} if isinstance(block, list) and len(block) == 2 else {}
+
+
+def method_options(value: str, codec_dir: Path, methods: Sequence[str] = ()) -> dict[str, dict[str, str]]:
+    """``--options``: ``auto`` reads what the bench's profiling chose for this codec's pair (the newest run of
+    ``CODEC/bench.json``; none there: every method's defaults), ``none`` is every method's defaults, else
+    ``METHOD.KEY=VALUE`` pairs, comma-separated. A profiled ``artifact`` that no longer exists (the bench keeps
+    its profiles in a temporary directory) is an error for the ``methods`` measured: it names
+    ``kvstate transfer profile``, whose file an explicit ``METHOD.artifact=PATH`` then points to."""
+    from kvstate.lab.provenance import read_runs
+    from kvstate.transfer import methods as registry
+
+    if value == "none":
+        return {}
+    if value == "auto":
+        bench = codec_dir / "bench.json"
+        runs = read_runs(bench) if bench.is_file() else []
+        out = profiled_options(runs[-1]) if runs else {}
+        for m, opts in out.items():
+            path = opts.get("artifact")
+            if (not methods or m in methods) and path is not None and not Path(path).is_file():
+                raise KVStateError(
+                    f"--options auto: {m}'s profiled artifact {path} is gone (the bench profiles into a temporary "
+                    f"directory); run `kvstate transfer profile --method {m} --codec {codec_dir} --out DIR` and pass "
+                    f"--options {m}.artifact=DIR/{m}.safetensors")
+        return out
+    out = {}
+    for part in filter(None, (x.strip() for x in value.split(","))):
+        head, eq, v = part.partition("=")
+        m, dot, key = head.partition(".")
+        if not eq or not dot:
+            raise registry.MethodError(f"--options {part!r} must be METHOD.KEY=VALUE (e.g. droidspeak.block=1:4), "
+                                       "'auto' or 'none'")
+        registry.get(m, option="--options")
+        out.setdefault(m, {})[key] = v
+    return out
+
+
 # --- the consumer process, inside the namespace ------------------------------------------------------
 
 
