@@ -361,6 +361,7 @@ def test_an_options_run_gets_its_own_rows_and_the_scd_targets_keep_reading_the_f
     assert got["SCD score >= 95% of the oracle's"].status == "met"
     assert got["selective recompute >= 0.94 x the oracle"].status == "met"  # 38 vs 0.94 x 38 on the same items
     assert got["selective recompute's quality vs DroidSpeak's"].status == "met"  # 38 vs 30, paired
+    assert got["selective recompute no worse than raw reuse"].status == "met"  # 38 vs 20, paired
     assert got["selective recompute ships <= 1/4 of fp16 raw KV bytes per token"].met is True
     assert got["selective recompute recomputes <= 1 of the consumer's layers"].kind == "check"
     assert any("transfer options" in t.title and "1002" in t.title for t in sec.tables)
@@ -370,6 +371,11 @@ def test_an_options_run_gets_its_own_rows_and_the_scd_targets_keep_reading_the_f
     got = _rows(build(tmp_path / "out", tmp_path / "m"))
     assert got["selective recompute >= 0.94 x the oracle"].status == "missed"
     assert got["selective recompute's quality vs DroidSpeak's"].status == "undecided"  # 30 vs 30: zero width
+    path.unlink()
+    _write(tmp_path / "m", _bench())
+    append_run(path, _options_bench(20), Recorder(code=("lab/transfer/section.py",), n=2, seeds=[1004]).finish())
+    assert _rows(build(tmp_path / "out", tmp_path / "m"))["selective recompute no worse than raw reuse"].status == \
+        "undecided"  # 20 vs raw's 20 on the same items: no decided difference either way
 
 
 def test_a_ttft_run_with_selective_recompute_gets_its_own_rows_vs_the_oracle_and_droidspeak(tmp_path: Path) -> None:

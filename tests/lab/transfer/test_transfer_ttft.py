@@ -113,6 +113,19 @@ def test_profiled_options_reach_the_server_and_the_store_key(dirs: tuple[Path, P
     ctx = registry.MethodContext(codec=codec, options={"block": "1:2"})
     assert ds.recomputed_layers(ctx) == (1,) and ds.recomputed_layers(registry.MethodContext(codec=codec)) == (0, 1)
     assert ds.variant(ctx) != ds.variant(registry.MethodContext(codec=codec)) == "droidspeak"
+    # every option set gives a valid store key (a block's ':' or an artifact's path never reaches it); a file-valued
+    # option is keyed by content: a retrained artifact at the same path never reads the old one's entries
+    from kvstate.transfer.store import store_key
+
+    art = tmp_path / "art.safetensors"
+    art.write_bytes(b"one")
+    rc = registry.get("scd_recompute")
+    keys = [ds.variant(ctx), ds.variant(registry.MethodContext(codec=codec, options={"block": "0:2"})),
+            rc.variant(registry.MethodContext(codec=codec, options={"artifact": str(art)}))]
+    for v in keys:
+        store_key(b"\x01", b"\x02", v)
+    art.write_bytes(b"two")
+    assert len({*keys, rc.variant(registry.MethodContext(codec=codec, options={"artifact": str(art)}))}) == 4
     producer = load_model(p)
     ids = torch.randint(3, 50, (1, 12), generator=torch.Generator().manual_seed(1))
     pair, encode = registry.encoder("droidspeak", producer, ctx)

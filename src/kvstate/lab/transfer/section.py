@@ -76,6 +76,9 @@ def recompute_targets(bench: dict[str, Any], art: Artifact, label: str = "") -> 
     if DROIDSPEAK in by:
         rows.append(_paired(art, bench, f"{tag}selective recompute's quality vs DroidSpeak's (paired interval of "
                             "recompute - DroidSpeak)", rec, by[DROIDSPEAK], 1.0, True))
+    if RAW in by:  # where raw reuse already works (the near-aligned pair), recompute must not cost quality
+        rows.append(_paired(art, bench, f"{tag}selective recompute no worse than raw reuse (paired interval of "
+                            "recompute - raw)", rec, by[RAW], 1.0, True))
     rows += [check_row(TECHNIQUE, f"{tag}selective recompute ships <= 1/4 of fp16 raw KV bytes per token",
                        bool(bpt <= fp16 / 4), "the payload follows from the codes' ranks and bits",
                        f"{bpt:.0f} vs {fp16:.0f} B/token ({bpt / fp16:.1%})", art=art),

@@ -99,8 +99,20 @@ class TransferMethod(ABC):
         return raw_pair(ctx.codec.producer_fp, ctx.codec.consumer_fp)
 
     def variant(self, ctx: MethodContext) -> str:
-        """The store's name for what a server ships with these options (two option sets never share a key)."""
-        return self.name + "".join(f".{k}={ctx.options[k]}" for k in sorted(ctx.options))
+        """The store's name for what a server ships with these options: the method's name, and with options a
+        digest of them — a file-valued option (a trained artifact) by the file's content, so two option sets, or
+        a retrained artifact at the same path, never share a key. Always a valid store-key variant (paths,
+        ``:`` and ``=`` never reach the key)."""
+        if not ctx.options:
+            return self.name
+        h = hashlib.sha256()
+        for k in sorted(ctx.options):
+            v = ctx.options[k]
+            p = Path(v)
+            h.update(f"{k}\0{v}\0".encode())
+            if p.is_file():
+                h.update(hashlib.sha256(p.read_bytes()).digest())
+        return f"{self.name}.{h.hexdigest()[:16]}"
 
     def recomputed_layers(self, ctx: MethodContext) -> tuple[int, ...]:
         """The consumer layers this method runs itself on the transferred prefix (none by default)."""
