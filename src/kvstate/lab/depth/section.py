@@ -42,7 +42,7 @@ def eval_command(name: str) -> str:
     post_hoc = "" if name.startswith(RCLA) else " --post-hoc"  # sharing the other models were not trained for
     if name == RCLA:  # the full-budget run with layers 0 and 2 never routed: keep 0.25 is outside its family
         return f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5 --n 25 --seed 1005 --json --out models/{name}/{EVAL_FILE}"
-    return (f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5,0.25 --n 25 --seed 1000{post_hoc} --json "
+    return (f"kvstate depth eval --model models/{name} --keep 1,0.75,0.5,0.25 --n 25 --seed 1005{post_hoc} --json "
             f"--out models/{name}/{EVAL_FILE}")
 
 
