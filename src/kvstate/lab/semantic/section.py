@@ -206,14 +206,14 @@ def _headline(art: Any, run: dict[str, Any], rows: list[dict[str, Any]], solved:
 
 BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25,0.125 "
                   "--memory 0.3 --slow quant --bits 2 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 "
-                  "--seed 1001 --methods full,sekv,sekv_fresh,quest,streaming,kivi --recent 16 --max-span 64 --json "
+                  "--seed 1015 --methods full,sekv,sekv_fresh,quest,streaming,kivi --recent 16 --max-span 64 --json "
                   "--out models/ref-attn-sekv/eval_bounds.json")
 MEMORY_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.0625 "
-                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1003 "
+                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1014 "
                   "--methods full,sekv_fresh,streaming,kivi --recent 16 --max-span 128 --json "
                   "--out models/ref-attn-sekv/eval_16x.json")
 FOUR_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 --slow quant "
-                "--bits 2 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1002 "
+                "--bits 2 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1013 "
                 "--methods full,sekv --recent 16 --max-span 64 --json --out models/ref-attn-sekv/eval_4x.json")
 MEMORY_CAP, EQUAL_READS_GAP, MEMORY_MARGIN = 0.30, 0.03, 0.10
 
