@@ -104,3 +104,24 @@ def test_report_decides_the_worst_pattern_targets():
     res[RCLA] = [{**r, "seed": 1005} for r in res[RCLA]]
     rows = {h.target: h for h in headline(res, arts)}
     assert "unpaired" in rows["R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)"].measured
+
+
+def test_report_decides_decode_speed_from_the_repeats_and_checks_the_bytes_held(tmp_path):
+    from kvstate.lab.depth.section import DECODE_FILE, RCLA, decode_rows
+    from kvstate.lab.provenance import Recorder, append_run
+
+    def write(half_range, half_bytes=4096):
+        path = tmp_path / f"m{half_range[0]:g}-{half_bytes}" / RCLA / DECODE_FILE
+        path.parent.mkdir(parents=True)
+        rows = [{"keep": 1.0, "decode_tok_s": 200.0, "decode_tok_s_range": [190.0, 210.0], "cache_bytes": 8192},
+                {"keep": 0.5, "decode_tok_s": sum(half_range) / 2, "decode_tok_s_range": half_range,
+                 "cache_bytes": half_bytes}]
+        append_run(path, {"context": 2048, "repeats": 5, "results": rows},
+                   Recorder(code=("lab/depth/section.py",), seeds=[1005]).finish())
+        return path.parent.parent
+
+    speed, held = decode_rows(write([240.0, 260.0]))
+    assert speed.status == "met" and "1.25x" in speed.measured and held.kind == "check" and held.met is True
+    assert decode_rows(write([180.0, 230.0]))[0].status == "undecided"  # the ranges overlap
+    assert decode_rows(write([150.0, 170.0]))[0].status == "missed"
+    assert decode_rows(write([240.0, 260.0], half_bytes=4100))[1].met is False  # not exactly half: the check fails

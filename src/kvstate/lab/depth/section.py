@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 
 from kvstate.lab import stats
 from kvstate.lab.provenance import Artifact, load_artifact
-from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row
+from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
 from kvstate.lab.training.io import read_state
 
 PAPER = "Stochastic KV routing: Random Cross-Layer Attention (R-CLA) for adaptive depth-wise KV cache sharing"
@@ -223,6 +223,36 @@ def decode_command(name: str) -> str:
     """The command that regenerates ``models/<name>/depth_decode.json``."""
     return (f"kvstate depth decode --model models/{name} --keep 1,0.75,0.5,0.25 --context 2K --new-tokens 32 "
             f"--repeats 5 --seed 1000 --json --out models/{name}/{DECODE_FILE}")
+
+
+def decode_rows(models_dir: Path) -> list[HeadlineRow]:
+    """R-CLA's decode through ``model.generate`` at keep 0.5 against its keep 1 (its ``depth_decode.json``): tokens/s
+    decided from the repeats' min / max (``>= 1x``; overlapping ranges: undecided), and the KV held exactly 0.5x of
+    keep 1's (bytes from the cache tensors; it follows from the pattern, so a check)."""
+    art = load_artifact(models_dir / RCLA / DECODE_FILE, decode_command(RCLA))
+    target = "R-CLA decode through model.generate at keep 0.5: tokens/s >= keep 1's"
+    if art.run is None:
+        return [artifact_row(art, TECH, target, "")]
+    by = {float(r["keep"]): r for r in art.run.get("results") or []}
+    half, full = by.get(0.5), by.get(1.0)
+    if half is None or full is None:
+        return [artifact_row(art, TECH, target, "no keep 0.5 / keep 1 rows in the file", status="missing")]
+    repeats = art.run.get("repeats")
+    try:
+        h = stats.timing_row(half["decode_tok_s"], half.get("decode_tok_s_range"), repeats, what="keep 0.5 tokens/s")
+        f = stats.timing_row(full["decode_tok_s"], full.get("decode_tok_s_range"), repeats, what="keep 1 tokens/s")
+    except Exception as exc:  # too few repeats or no spread: cannot decide
+        rows = [artifact_row(art, TECH, target, f"not decided: {exc}", status="undecided")]
+    else:
+        lo, hi = h.lo / f.hi, h.hi / f.lo
+        rows = [artifact_row(art, TECH, target, f"{h.value / f.value:.2f}x ({h.value:.0f} vs {f.value:.0f} tokens/s at "
+                             f"{art.run.get('context')} tokens; {lo:.2f}x-{hi:.2f}x over the repeats' min / max)",
+                             status=stats.decide(lo, hi, 1.0), repeats=repeats, ci=(lo, hi))]
+    ratio = half["cache_bytes"] / full["cache_bytes"]
+    rows.append(check_row(TECH, "R-CLA at keep 0.5 holds exactly 0.5x keep 1's KV bytes through generate",
+                          abs(ratio - 0.5) < 1e-9, "the pattern keeps two of four layers' caches",
+                          f"{half['cache_bytes']:,} vs {full['cache_bytes']:,} B ({ratio:.4f}x)", art=art))
+    return rows
 
 
 def notes(models_dir: Path) -> list[str]:
@@ -456,4 +486,4 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                    figures=[_figure(res, out_dir), *filter(None, [pilot_fig, _pilot(models_dir, out_dir),
                                                                   _curves(models_dir, out_dir)])], summary={"results": res, "artifacts": {n: {"path": a.path, "status": a.status, "reason": a.reason,
                                                                        "provenance": a.provenance} for n, a in arts.items()}},
-                   headline=headline(res, arts), notes=notes(models_dir))
+                   headline=[*headline(res, arts), *decode_rows(models_dir)], notes=notes(models_dir))
