@@ -189,7 +189,7 @@ class SemanticCache(Cache):
         return BudgetError(f"memory {self.config.memory} of full KV ({int(self.config.memory * full)} bytes per layer) "
                            f"cannot hold {what} of a {t}-token context: the minimum is {need} bytes per layer, "
                            f"memory >= {need / full:.4f}; raise memory, lower the budget, "
-                           + ("lower bits or outliers" if self.config.slow == "quant" else
+                           + ("lower bits" if self.config.slow == "quant" else
                               " or ".join(f"slow={x!r}" for x in ("quant", "lowrank") if x != self.config.slow))
                            + ", or lower sinks / recent / raise max_span")
 
@@ -218,7 +218,7 @@ class SemanticCache(Cache):
         t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
         # per span and KV head: mean key and value, the bounds (min, max key) or the routing summary; and log |S|
-        per_head = 2 * k.shape[3] + (2 * k.shape[3] if self.config.bounds else 0) + \
+        per_head = (2 * k.shape[3] if self.config.summaries else 0) + (2 * k.shape[3] if self.config.bounds else 0) + \
             (self.router.config.routing_dim if self.config.route_summaries else 0)
         span_bytes = k.shape[1] * per_head * k.element_size() + k.element_size()
         # "soft" (training) fits as "routed" does; "none" expands nothing and the "all" oracle everything

@@ -67,6 +67,9 @@ class SemanticConfig:
     slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
     sticky: bool = True  # expanded spans stay in a budgeted working set (least relevant evicted when over)
     route_query: RouteQuery = "last"  # queries of a multi-token pass that rank the spans (decode steps: the one)
+    # False: unexpanded spans are not attended (Quest's reads); their summary keys / values are not kept, so the fast
+    # tier is the anchors and the bounds and the budget left for expansions grows (routing="bounds" only)
+    summaries: bool = True
 
     def __post_init__(self) -> None:
         check_float("SemanticConfig.budget", self.budget, 0.0, 1.0, lo_open=True, error=KVStateError,
@@ -102,6 +105,11 @@ class SemanticConfig:
                                    f"reads is also held; set memory >= {self.budget}")
         if not self.slow_tier and self.zoom != "none":
             raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
+        check_bool("SemanticConfig.summaries", self.summaries, error=KVStateError)
+        if not self.summaries and (self.zoom != "routed" or self.routing != "bounds"):
+            raise KVStateError(f"SemanticConfig: summaries=False attends expanded spans only, which needs zoom='routed' "
+                               f"with routing='bounds' (got zoom={self.zoom!r}, routing={self.routing!r}); set "
+                               "summaries=True")
         if self.rank is not None:
             check_int("SemanticConfig.rank", self.rank, 1, 1 << 16, error=KVStateError, hint=" or None (allocated)")
 

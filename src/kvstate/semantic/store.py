@@ -181,17 +181,26 @@ class SpanStore:
                     budget: int) -> list[tuple[Factors, Factors]]:
         """KIVI-style entries of spans (keys, values) (H, n, D); at compression the ``outliers`` share of spans
         with the least alike keys (ShadowKV) stay unquantized. A span folded while decoding is quantized alone."""
-        exact = outlier_spans([in_span_similarity(k) for k, _ in parts], config.outliers) if first else set()
         out: list[tuple[Factors, Factors]] = []
-        for i, (k, v) in enumerate(parts):
-            if config.bits == EXACT or i in exact:
+        for k, v in parts:
+            if config.bits == EXACT:
                 out.append((Raw(k.clone()), Raw(v.clone())))
             else:
                 lo, hi = key_bounds(k)  # (H, D): the quantizer's range, kept by the store as the span's bounds
                 out.append((quantize_keys(k, lo, hi, config.bits), quantize_values(v, config.bits)))
         need = sum(x.nbytes for pair in out for x in pair)
         if first and self.slow_cap is not None and need > budget:
-            raise SlowCapError(self.slow_nbytes() + need, f"{config.bits}-bit codes, {len(exact)} outlier spans exact")
+            raise SlowCapError(self.slow_nbytes() + need, f"{config.bits}-bit codes")
+        if first and config.bits != EXACT:
+            # outlier spans (least alike first) go back to exact while the slow tier stays within its cap: under
+            # ``memory`` the share is a ceiling, so a tight cap keeps fewer exact rather than refusing the run
+            sim = [in_span_similarity(k) for k, _ in parts]
+            for i in sorted(outlier_spans(sim, config.outliers), key=lambda j: (sim[j], j)):
+                k, v = parts[i]
+                extra = k.nbytes + v.nbytes - sum(x.nbytes for x in out[i])
+                if self.slow_cap is None or need + extra <= budget:
+                    out[i] = (Raw(k.clone()), Raw(v.clone()))
+                    need += extra
         return out
 
     def _keys_of(self, i: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
@@ -231,8 +240,9 @@ class SpanStore:
             self.k_lo = torch.cat([self.k_lo, torch.stack(lo, 1)], 1)
             self.k_hi = torch.cat([self.k_hi, torch.stack(hi, 1)], 1)
         self.sizes += [b - a for a, b in spans]
-        self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
-        self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
+        if config.summaries:
+            self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
+            self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
         self.route = torch.cat([self.route, torch.stack(rt, 1)], 1)
         self.log_n = torch.cat([self.log_n, self.log_n.new_tensor(ln)])
 
@@ -370,14 +380,15 @@ class SpanStore:
                 self.sticky = expand.clone()
         read = self.kv_nbytes()
         if self.n_spans:
-            ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
             soft = None
-            if zoom == "soft":  # summary weighted by 1 - gate, its tokens by gate (training relaxation)
-                soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype).reshape(h, g * tq, -1)
-                logits.append(ls + torch.log1p(-soft + 1e-6))
-            else:
-                logits.append(ls.masked_fill(expand[:, None, :], float("-inf")))
-            vals.append(self.sum_v[0])
+            if config.summaries:  # each unexpanded span as one entry: its mean key with log |S| added, its mean value
+                ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
+                if zoom == "soft":  # summary weighted by 1 - gate, its tokens by gate (training relaxation)
+                    soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype).reshape(h, g * tq, -1)
+                    logits.append(ls + torch.log1p(-soft + 1e-6))
+                else:
+                    logits.append(ls.masked_fill(expand[:, None, :], float("-inf")))
+                vals.append(self.sum_v[0])
             picked = tuple(torch.nonzero(chosen).flatten().tolist())
             if picked:
                 rk, rv, owner = self._reconstruct(picked, q.dtype, q.device)

@@ -59,7 +59,8 @@ def _ranks(score: torch.Tensor, targets: list[int]) -> int:
 
 def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, seed: int,
           recent: int = 16, max_span: int = 32, routing: str = "bounds", slow: str = "lowrank", bits: int = 4,
-          memory: float | None = None, top: int = TOP) -> dict[str, Any]:
+          memory: float | None = None, top: int = TOP, expand_share: float = 0.5,
+          summaries: bool = False) -> dict[str, Any]:
     model, tokenizer = load_reference(model_dir)
     model.eval()
     router = SemanticRouter.load(router_dir, model)
@@ -88,7 +89,9 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
             raw = {i: layer.keys for i, layer in enumerate(pre.cache.layers) if getattr(layer, "keys", None) is not None}
             cache = compressed_cache("sekv", model, tokenizer, it, budget, router, segment, prefilled=pre,
                                      config=SemanticConfig(budget=budget, segment=segment, routing=routing,
-                                                                 slow=slow, bits=bits, memory=memory))  # type: ignore[arg-type]
+                                                                 slow=slow, bits=bits, memory=memory,
+                                                                 expand_share=expand_share,
+                                                                 summaries=summaries))  # type: ignore[arg-type]
             needle = _needle(it, tokenizer)
             seg = cache.segmentation
             spans = [(int(a), int(b)) for a, b in seg.spans]
@@ -140,7 +143,7 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
                   for k, v in s.items() if v} for L, s in sorted(per.items())}  # ranks / counts: medians; rates: means
     return {"model": model_dir, "router": router_dir, "routing": routing, "length": length, "budget": budget,
             "n": n, "seed": seed, "recent": recent, "max_span": max_span, "slow": slow, "bits": bits, "memory": memory,
-            "top": top, "in_span": len(every), "anchored": kept,
+            "top": top, "expand_share": expand_share, "summaries": summaries, "in_span": len(every), "anchored": kept,
             f"top{top}_every_layer": round(float(np.mean(every)), 4) if every else None,
             f"top{top}_items": round((sum(every) + kept) / max(len(every) + kept, 1), 4),
             "layers": layers}
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--memory", type=float, default=None)
     ap.add_argument("--top", type=int, default=TOP)
+    ap.add_argument("--expand-share", type=float, default=0.5)
+    ap.add_argument("--summaries", action="store_true", help="attend unexpanded spans as summaries (learned: always)")
     ap.add_argument("--out", type=Path, default=None, help="append the result, with its provenance, to this file")
     a = ap.parse_args(argv)
     if a.seed not in DEV_SEEDS:
@@ -169,9 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     rec = Recorder(code=("semantic", "lab/semantic"), models=[a.model, a.router], n=a.n, seeds=[a.seed],
                    tasks=["niah_single"], lengths=[a.length],
                    settings={k: getattr(a, k) for k in ("budget", "routing", "recent", "max_span", "slow", "bits",
-                                                        "memory", "top")})
+                                                        "memory", "top", "expand_share", "summaries")})
     res = probe(a.model, a.router, a.length, a.budget, a.n, a.seed, recent=a.recent, max_span=a.max_span,
-                routing=a.routing, slow=a.slow, bits=a.bits, memory=a.memory, top=a.top)
+                routing=a.routing, slow=a.slow, bits=a.bits, memory=a.memory, top=a.top, expand_share=a.expand_share,
+                summaries=a.summaries or a.routing == "learned")
     for L, row in res["layers"].items():
         print(f"layer {L}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr)
     print(json.dumps(res))

@@ -5,7 +5,10 @@ From "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Mem
 ranked by their key bounds and expanded within the read budget, a budgeted sticky working set, the slow tier
 under ``memory`` (or ``slow_budget``), low-rank or quantized (:class:`~kvstate.lab.semantic.methods.base.SekvOptions`).
 
-- ``sekv``: as above (the proposed method);
+- ``sekv``: as above (the proposed method); an unexpanded span is not attended (``summaries=False``: Quest's
+  reads), so the fast tier is the anchors and the bounds and the rest of the read budget goes to expansions;
+- ``sekv_summaries``: every unexpanded span attended as its summary entry (mean key + log |S|, mean value), the
+  paper's low-resolution tier — which costs two vectors per span and head of the fast tier;
 - ``sekv_fresh``: deciding afresh at every pass (no working set; shares ``sekv``'s compression when no
   memory cap sizes the slow tier beside the working set);
 - ``sekv_raw``: the slow tier kept raw (rank = full): what low rank / quantization costs;
@@ -30,6 +33,7 @@ class Sekv(StoreMethod):
     sticky: ClassVar[bool] = True
     routing: ClassVar[str] = "bounds"
     raw: ClassVar[bool] = False
+    summaries: ClassVar[bool] = False
 
     def config(self, budget: float, ctx: Context) -> SemanticConfig:
         if ctx.config is not None:
@@ -38,7 +42,7 @@ class Sekv(StoreMethod):
         slow: Slow = "raw" if self.raw else o.slow  # type: ignore[assignment]
         return SemanticConfig(budget=budget, segment=ctx.segment, slow_budget=ctx.slow_budget, sticky=self.sticky,
                               slow=slow, bits=o.bits, memory=o.memory, routing=self.routing,  # type: ignore[arg-type]
-                              expand_share=ctx.expand_share)
+                              expand_share=ctx.expand_share, summaries=self.summaries)
 
     def router(self, ctx: Context) -> SemanticRouter | None:
         return ctx.router
@@ -80,7 +84,15 @@ class SekvLearned(Sekv):
     role: ClassVar[Role] = "ablation"
     about: ClassVar[str] = "SEKV with the paper's learned routing instead of key bounds (the routing ablation)"
     routing: ClassVar[str] = "learned"
+    summaries: ClassVar[bool] = True  # learned routing needs the summary entries for the spans it leaves out
 
 
-for _m in (Sekv(), SekvFresh(), SekvRaw(), SekvLearned()):
+class SekvSummaries(Sekv):
+    name: ClassVar[str] = "sekv_summaries"
+    role: ClassVar[Role] = "ablation"
+    about: ClassVar[str] = "SEKV attending every unexpanded span as its summary entry (the paper's low-resolution tier)"
+    summaries: ClassVar[bool] = True
+
+
+for _m in (Sekv(), SekvFresh(), SekvRaw(), SekvLearned(), SekvSummaries()):
     register(_m)
