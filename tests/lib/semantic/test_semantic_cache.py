@@ -253,3 +253,35 @@ def test_bad_inputs():
     prefill_and_compress(model, cache, ids)
     with pytest.raises(KVStateError, match="semantic_attention"), torch.no_grad():
         model(input_ids=_ids(11, 1), cache=cache, position_ids=torch.tensor([[T]]))
+
+
+def test_without_summaries_every_span_expanded_equals_full_attention_and_holds_more_anchors(monkeypatch):
+    from kvstate.semantic.store import SpanStore
+
+    # an unlimited allowance, so routing expands every span (at budget 1.0 the bounds alone leave too little room)
+    monkeypatch.setattr(SpanStore, "allowance", lambda self, budget: 1 << 40)
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (1, 96), generator=torch.Generator().manual_seed(11))
+    q = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(12))
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, cache=full)
+        ref = model(input_ids=q, cache=full).logits
+    seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=8)
+    fast, errs = {}, {}
+    for summaries in (True, False):
+        cfg = SemanticConfig(budget=1.0, segment=seg, slow="raw", summaries=summaries, sticky=False)
+        cache = SemanticCache(model, config=cfg)
+        prefill_and_compress(model, cache, ids)
+        store = cache.semantic_layers[0].store
+        fast[summaries] = store.anchor_k.shape[2]  # exact tokens the same fast-tier share holds
+        assert (store.sum_k.shape[2] == store.n_spans > 0) == summaries
+        with semantic_attention(model), torch.no_grad():
+            out = model(input_ids=q, cache=cache).logits
+        errs[summaries] = float((out - ref).abs().max())
+    assert errs[False] < 1e-4 and errs[True] < 1e-4
+    assert fast[False] > fast[True]  # without summary entries the fast tier has room for more anchors
+    with pytest.raises(KVStateError, match="summaries=False"):
+        SemanticConfig(summaries=False, zoom="similarity")
+    with pytest.raises(KVStateError, match="summaries=False"):
+        SemanticConfig(summaries=False, routing="learned")

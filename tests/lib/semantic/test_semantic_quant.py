@@ -157,3 +157,26 @@ def test_a_memory_that_cannot_hold_the_exact_parts_names_the_minimum_that_fits()
 def test_bad_settings_are_refused_with_one_clear_error(kw, msg):
     with pytest.raises(KVStateError, match=msg):
         SemanticConfig(**kw)
+
+
+def test_outlier_spans_stay_exact_only_while_the_memory_cap_holds_them():
+    model = tiny_model("qwen3")
+    ids = _ids(8, T)
+    # the floor of 4-bit codes with no outlier kept exact: the refusal names it
+    with pytest.raises(BudgetError, match=r"memory >= (0\.\d{4})") as err:
+        prefill_and_compress(model, SemanticCache(model, config=SemanticConfig(
+            budget=0.5, memory=0.5, segment=SEG, slow="quant", bits=4, outliers=0.0)), ids)
+    floor = float(re.search(r"memory >= (0\.\d{4})", str(err.value)).group(1)) + 1e-4
+    exact = {}
+    for name, memory in (("uncapped", None), ("floor", floor)):
+        cfg = SemanticConfig(budget=0.5, memory=memory, segment=SEG, slow="quant", bits=4, outliers=0.3)
+        cache = SemanticCache(model, config=cfg)
+        prefill_and_compress(model, cache, ids)  # at the floor the run goes ahead rather than refusing
+        b = cache.byte_counts()
+        if memory is not None:
+            room = sum(layer.store.allowance(0.5) for layer in cache.semantic_layers)
+            assert b.total_bytes + room <= memory * b.full_bytes
+        store = cache.semantic_layers[0].store
+        exact[name] = sum(isinstance(k, Raw) for k, _ in store.slow)
+    assert exact["uncapped"] == int(0.3 * store.n_spans) > 0  # no cap: the configured share of spans
+    assert exact["floor"] == 0  # no room left for an exact span

@@ -7,7 +7,8 @@ spans the router scored and the ones the budget let it expand. The needle's span
 token of the asked value — are then ranked three ways over the same spans and the same last-token query:
 the shipped routing's score (``--routing bounds``: the bound over the keys the slow tier gives back;
 ``learned``: the paper's learned relevance), the Quest bound ``sum_d max(q_d min_d, q_d max_d)`` of each span's
-raw keys (what the Quest-like baseline uses over pages), ``q . mean key`` (SentenceKV-like) and, for a low-rank
+raw keys (what the Quest-like baseline uses over pages), the exact largest logit ``max_k q . k`` of each span's raw
+keys (``max_logit``: the oracle the bound stands in for), ``q . mean key`` (SentenceKV-like) and, for a low-rank
 slow tier, the bound in the rank-r coordinates of each span's key factors (``rank_coords``). Printed per
 layer: how often the needle was in an anchor, how often a needle span was expanded, and its median rank
 and top-2 / top-``--top`` hit rates under each score; over items, the share whose needle span ranked in the
@@ -82,6 +83,7 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
     per: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     every: list[float] = []  # per item whose needle fell in a span: 1 if it ranked in the top ``top`` at every layer
     kept = 0  # items whose needle is an anchor (kept exact, nothing to route)
+    pointed: list[float] = []  # per (item, layer) whose exact max logit ranks the needle's span in the top: shipped hit
     SpanStore.decide, SpanStore.select = rec_decide, rec_select  # type: ignore[method-assign]
     try:
         for it in items:
@@ -118,14 +120,22 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
                 bound = torch.maximum(qg[:, :, None, :] * lo[:, None], qg[:, :, None, :] * hi[:, None]).sum(-1)
                 mean = torch.stack([keys[:, a:b].mean(1) for a, b in spans], 1).float()
                 sim = torch.einsum("hgd,hsd->hgs", qg, mean)
+                # the exact largest logit of each span's raw keys: the ranking the bound stands in for (an oracle:
+                # where the needle's span ranks low here, the layer's query does not point at the needle at all)
+                best = torch.stack([torch.einsum("hgd,hnd->hgn", qg, keys[:, a:b].float()).amax(-1) for a, b in spans],
+                                   -1)  # (H, g, S)
                 scores = {f"shipped_{routing}": c["score"].amax(0), "bounds": bound.amax(1).amax(0),
-                          "mean_key": sim.amax(1).amax(0)}
+                          "max_logit": best.amax(1).amax(0), "mean_key": sim.amax(1).amax(0)}
                 if all(isinstance(e[0], LowRank) for e in st.slow[:len(spans)]):  # the bound in rank-r coordinates
                     scores["rank_coords"] = torch.stack([rank_upper_bound(qg, e[0].b, *rank_bounds(e[0].a)).amax()
                                                          for e in st.slow[:len(spans)]])
                 stats["expanded"].append(float(bool(c["chosen"][target].any())))
                 stats["n_chosen"].append(float(c["chosen"].sum()))
                 stats["n_spans"].append(float(len(spans)))
+                oracle_top = _ranks(scores["max_logit"], target) < top
+                shipped_top = _ranks(scores[f"shipped_{routing}"], target) < top
+                if oracle_top:  # a layer whose query points at the needle: does the shipped routing find it too?
+                    pointed.append(float(shipped_top))
                 for name, s in scores.items():
                     r = _ranks(s, target)
                     stats[f"rank_{name}"].append(float(r))
@@ -146,7 +156,19 @@ def probe(model_dir: str, router_dir: str, length: int, budget: float, n: int, s
             "top": top, "expand_share": expand_share, "summaries": summaries, "in_span": len(every), "anchored": kept,
             f"top{top}_every_layer": round(float(np.mean(every)), 4) if every else None,
             f"top{top}_items": round((sum(every) + kept) / max(len(every) + kept, 1), 4),
+            # over (item, layer) pairs whose query points at the needle (its span in the top by the exact max logit):
+            # the share the shipped routing ranks in the top too, with its Wilson interval
+            f"top{top}_where_exact": _share(pointed),
             "layers": layers}
+
+
+def _share(hits: list[float]) -> dict[str, Any] | None:
+    if not hits:
+        return None
+    from kvstate.lab.stats import wilson
+
+    e = wilson(int(sum(hits)), len(hits))
+    return {"value": round(e.value, 4), "ci": [round(e.lo, 4), round(e.hi, 4)], "n": e.n}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -171,7 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.seed not in DEV_SEEDS:
         sys.exit(f"--seed {a.seed}: this probe tunes nothing but reads items; use a dev seed {list(DEV_SEEDS)}")
     torch.set_num_threads(1)
-    rec = Recorder(code=("semantic", "lab/semantic"), models=[a.model, a.router], n=a.n, seeds=[a.seed],
+    code = ("semantic", "models", "lab/semantic/route_probe.py", "lab/semantic/bench.py", "lab/semantic/protocol.py",
+            "lab/semantic/methods", "lab/harness.py", "lab/decode.py")  # what it runs (not the report's section)
+    rec = Recorder(code=code, models=[a.model, a.router], n=a.n, seeds=[a.seed],
                    tasks=["niah_single"], lengths=[a.length],
                    settings={k: getattr(a, k) for k in ("budget", "routing", "recent", "max_span", "slow", "bits",
                                                         "memory", "top", "expand_share", "summaries")})

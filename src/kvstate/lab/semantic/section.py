@@ -13,6 +13,8 @@ the same questions (:mod:`kvstate.lab.stats`). Nothing is re-measured here; the 
 
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import matplotlib.pyplot as plt
 
 from kvstate.lab import stats
 from kvstate.lab.protocol import solved_cells
-from kvstate.lab.provenance import load_artifact
+from kvstate.lab.provenance import load_artifact, read_runs
 from kvstate.lab.report.html import Figure, Section, Table, artifact_row, check_row
 from kvstate.lab.semantic import methods
 
@@ -36,17 +38,16 @@ SEKV = methods.names_with_role("proposed")[0]
 CONTROL = "window"  # the hybrid's window-only control (a registered baseline)
 BYTES = ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes")
 
-EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv "
-                "--budget 0.25,0.125,0.0625 --task niah_single,niah_multikey,niah_4q --length 1024,2048,4096 "
-                "--n 100 --seed 1000 --methods full,sekv,sekv_fresh,sekv_raw,sentencekv,quest,streaming,kvpress "
-                "--recent 16 --max-span 32 --json --out models/ref-attn-sekv/eval.json")
-SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv "
-                 "--budget 0.25,0.125,0.0625 --task ppl --length 1024 --n 200 --seed 1000 "
-                 "--methods full,sekv,sekv_raw,sentencekv,quest,streaming --recent 16 --max-span 32 --json "
-                 "--out models/ref-attn-sekv/eval_sweep.json")
-HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv "
-                  "--budget 0.25,0.125,0.0625 --task niah_single,niah_multikey,niah_4q --length 1024,2048 --n 100 "
-                  "--seed 1000 --methods full,sekv,sekv_fresh,quest,streaming,window --recent 16 --max-span 32 "
+EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25,0.125 "
+                "--slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1021 "
+                "--methods full,sekv,sekv_summaries,sekv_learned,sentencekv,quest,streaming,kivi,ExpectedAttentionPress,"
+                "SnapKVPress --recent 16 --max-span 32 --expand-share 0.6 --json --out models/ref-attn-sekv/eval.json")
+SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.125 --slow quant "
+                 "--bits 4 --task ppl --length 1024 --n 200 --seed 1017 --methods full,sekv,quest,streaming --recent 16 "
+                 "--max-span 32 --expand-share 0.5 --json --out models/ref-attn-sekv/eval_sweep.json")
+HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv --budget 0.25,0.125 "
+                  "--slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 1024,2048 --n 100 "
+                  "--seed 1020 --methods full,sekv,quest,streaming,window --recent 16 --max-span 32 --expand-share 0.5 "
                   "--json --out models/ref-hybrid-sekv/eval.json")
 
 
@@ -204,17 +205,22 @@ def _headline(art: Any, run: dict[str, Any], rows: list[dict[str, Any]], solved:
     return head
 
 
-BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25,0.125 "
-                  "--memory 0.3 --slow quant --bits 2 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 "
-                  "--seed 1015 --methods full,sekv,sekv_fresh,quest,streaming,kivi --recent 16 --max-span 64 --json "
-                  "--out models/ref-attn-sekv/eval_bounds.json")
+BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.125 "
+                  "--memory 0.3 --slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 "
+                  "--seed 1016 --methods full,sekv,quest,streaming,kivi --recent 16 --max-span 32 --expand-share 0.6 "
+                  "--json --out models/ref-attn-sekv/eval_bounds.json")
 MEMORY_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.0625 "
                   "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1014 "
                   "--methods full,sekv_fresh,streaming,kivi --recent 16 --max-span 128 --json "
                   "--out models/ref-attn-sekv/eval_16x.json")
 FOUR_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 --slow quant "
-                "--bits 2 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1013 "
-                "--methods full,sekv --recent 16 --max-span 64 --json --out models/ref-attn-sekv/eval_4x.json")
+                "--bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1018 "
+                "--methods full,sekv,quest --recent 16 --max-span 32 --expand-share 0.6 --json "
+                "--out models/ref-attn-sekv/eval_4x.json")
+DECODE_COMMAND = ("python -m kvstate.lab.semantic.timing --model models/ref-attn --router models/ref-attn-sekv "
+                  "--length 2048 --budget 0.125 --methods full,sekv,quest --n 8 --repeats 7 --seed 1019 --memory 0.3 "
+                  "--slow quant --bits 4 --max-span 32 --expand-share 0.6 --out models/ref-attn-sekv/decode.json")
+PPL_LIMIT, DECODE_LIMIT = 0.03, 1.5
 MEMORY_CAP, EQUAL_READS_GAP, MEMORY_MARGIN = 0.30, 0.03, 0.10
 
 
@@ -354,6 +360,85 @@ def _ppl(models_dir: Path) -> list[Table]:
                    "total / full"], lines)]
 
 
+def _ppl_target(models_dir: Path) -> list[Any]:
+    """Held-out perplexity at 8:1 reads: SEKV within +3% of the full cache, a paired ratio over the same texts."""
+    art = load_artifact(models_dir / "ref-attn-sekv" / "eval_sweep.json", SWEEP_COMMAND)
+    cells = [c for c in (art.run or {}).get("cells", []) if c["task"] == "ppl"]
+    target = f"held-out perplexity, 8:1 reads: SEKV <= +{100 * PPL_LIMIT:.0f}% of the full cache (paired)"
+
+    def log_ppl(method: str) -> dict[int, float]:
+        return {c["index"]: math.log(c["score"]) for c in cells
+                if c["method"] == method and (method == FULL or abs(c["budget"] - HEAD_BUDGET) < 1e-9)}
+
+    full, mine = log_ppl(FULL), log_ppl(SEKV)
+    keys = sorted(set(full) & set(mine))
+    if not keys:
+        return [artifact_row(art, TECH, target, "no SEKV and full-cache texts in common")]
+    ones = [1.0] * len(keys)  # every text scores the same number of continuation tokens: the mean log-ratio
+    e = stats.paired_perplexity_ratio([mine[k] for k in keys], ones, [full[k] for k in keys], ones)
+    beside = []
+    for m in ("streaming", "quest"):
+        other = log_ppl(m)
+        if set(keys) <= set(other):
+            o = stats.paired_perplexity_ratio([other[k] for k in keys], ones, [full[k] for k in keys], ones)
+            beside.append(f"{m} {100 * o.value:+.1f}%")
+    length = max(c["length"] for c in cells)
+    return [artifact_row(art, TECH, target, f"{SEKV} {100 * e.value:+.1f}% at {length} tokens (n = {e.n} texts"
+                         + (f"; {', '.join(beside)}" if beside else "") + ")",
+                         status=stats.decide(e.lo, e.hi, PPL_LIMIT, higher_is_better=False), ci=(e.lo, e.hi))]
+
+
+ROUTE_COMMAND = ("python -m kvstate.lab.semantic.route_probe --length 2048 --budget 0.125 --n 40 --seed 2 --slow quant "
+                 "--bits 4 --memory 0.3 --max-span 32 --expand-share 0.6 --out docs/results/sekv_route_probe.json "
+                 "(and --seed 3)")
+ROUTE_TOP, ROUTE_SHARE = 8, 0.95
+
+
+def _route_target(models_dir: Path) -> list[Any]:
+    """Routing on dev seeds: the needle's span in the top 8 under the shipped routing at every layer (the issue's
+    measure), with the share where the layer's query points at the needle (its exact max logit ranks it so)."""
+    path = models_dir.parent / "docs" / "results" / "sekv_route_probe.json"
+    art = load_artifact(path, ROUTE_COMMAND)
+    target = f"routing (dev seeds), 8:1, 2K: the needle's span in the top {ROUTE_TOP} at every layer in >= " \
+             f"{100 * ROUTE_SHARE:.0f}% of items"
+    newest = (art.run or {}).get("provenance", {}).get("commit")
+    runs = [r for r in (read_runs(path) if art.run else [])  # the shipped configuration's probes of one commit
+            if r.get("summaries") is False and r.get(f"top{ROUTE_TOP}_where_exact")
+            and r.get("provenance", {}).get("commit") == newest]
+    if not runs:
+        return [artifact_row(art, TECH, target, "no probe of the shipped configuration")]
+    hits = sum(round(r[f"top{ROUTE_TOP}_every_layer"] * r["in_span"]) for r in runs)
+    n = sum(r["in_span"] for r in runs)
+    e = stats.wilson(hits, n)
+    cond = [r[f"top{ROUTE_TOP}_where_exact"] for r in runs]
+    c = stats.wilson(sum(round(x["value"] * x["n"]) for x in cond), sum(x["n"] for x in cond))
+    seeds = sorted({r["seed"] for r in runs})
+    return [artifact_row(art, TECH, target, f"{e.value:.2f} of {n} items (seeds {seeds}); where the layer's exact "
+                         f"max logit ranks the needle's span in the top {ROUTE_TOP}, the bound does too in "
+                         f"{c.value:.3f} [{c.lo:.3f}, {c.hi:.3f}] of {c.n} (item, layer) pairs",
+                         status=stats.decide(e.lo, e.hi, ROUTE_SHARE), ci=(e.lo, e.hi), rate=True,
+                         seeds=tuple(seeds), n=n)]
+
+
+def _decode_target(models_dir: Path) -> list[Any]:
+    """Decode ms / token at 2K against the full cache: the median per-round ratio of interleaved repeats."""
+    art = load_artifact(models_dir / "ref-attn-sekv" / "decode.json", DECODE_COMMAND)
+    target = f"decode <= {DECODE_LIMIT}x the full cache's ms / token at 2K, question pass included"
+    timing = (art.run or {}).get("timing", {})
+    ratio = timing.get(SEKV, {}).get("ratio_to_reference")
+    if not ratio:
+        return [artifact_row(art, TECH, target, "not run yet")]
+    rounds = [a / b for a, b in zip(timing[SEKV]["ms_per_token_rounds"], timing[FULL]["ms_per_token_rounds"],
+                                    strict=True)]
+    e = stats.timing(rounds, what="SEKV / full ms per token")
+    beside = ", ".join(f"{m} {r['ratio_to_reference']['median']:.2f}x" for m, r in timing.items()
+                       if m not in (SEKV, FULL) and "ratio_to_reference" in r)
+    return [artifact_row(art, TECH, target, f"{e.value:.2f}x (median of {e.n} interleaved rounds; full "
+                         f"{timing[FULL]['median']:.1f} ms / token" + (f"; {beside}" if beside else "") + ")",
+                         status=stats.decide(e.lo, e.hi, DECODE_LIMIT, higher_is_better=False), ci=(e.lo, e.hi),
+                         repeats=e.n, timing=True)]
+
+
 def build(out_dir: Path, models_dir: Path) -> Section:
     title = "Resolution: SEKV, the resolution-adaptive semantic KV cache"
     art = load_artifact(models_dir / "ref-attn-sekv" / "eval.json", EVAL_COMMAND)
@@ -390,8 +475,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     tables += _ppl(models_dir)
     hybrid_tables, hybrid_head = _hybrid(models_dir)
     tables += hybrid_tables
-    head = _headline(art, run, rows, solved) + _bounds_targets(models_dir) + _four_target(models_dir) + _memory_targets(models_dir) \
-        + hybrid_head
+    head = _headline(art, run, rows, solved) + _bounds_targets(models_dir) + _four_target(models_dir) \
+        + _memory_targets(models_dir) + _ppl_target(models_dir) + _decode_target(models_dir) + _route_target(models_dir) + hybrid_head
     intro = (f"Model {run['model']}, router {run.get('router')}. Protocol: the context is prefilled and compressed "
              "without the question, then each question is fed to a copy of the compressed cache and answered greedily "
              "(niah_4q: four questions on one compressed cache). The budget caps, at every forward pass, the bytes a "

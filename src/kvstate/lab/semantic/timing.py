@@ -37,15 +37,16 @@ MIN_REPEATS = 5
 @torch.no_grad()
 def time_methods(model: Any, tokenizer: Any, items: list[Any], names: list[str], budget: float,
                  router: SemanticRouter | None, segment: SegmentConfig, repeats: int,
-                 options: methods.SekvOptions | None = None) -> dict[str, Any]:
+                 options: methods.SekvOptions | None = None, expand_share: float = 0.5) -> dict[str, Any]:
     """Per method: ms / token of each round (mean over items), the median and spread, and the ratio to the
     registry's reference per round."""
     caches = []
     for it in items:
         pre = prefill(model, it)
         caches.append({m: compressed_cache(m, model, tokenizer, it, budget, router, segment, prefilled=pre,
-                                           options=options) for m in names})
-    ctx = methods.Context(router, segment, options=options if options is not None else methods.SekvOptions())
+                                           options=options, expand_share=expand_share) for m in names})
+    ctx = methods.Context(router, segment, expand_share,
+                          options=options if options is not None else methods.SekvOptions())
     rounds: dict[str, list[float]] = {m: [] for m in names}
     for r in range(repeats):
         order = names if r % 2 == 0 else names[::-1]
@@ -93,22 +94,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--memory", type=float, default=None)
     ap.add_argument("--slow", choices=("lowrank", "quant"), default="lowrank")
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--expand-share", type=float, default=0.5)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     if a.repeats < MIN_REPEATS:
         raise SystemExit(f"--repeats {a.repeats}: a timing needs >= {MIN_REPEATS} interleaved repeats")
     names = methods.resolve(a.methods.split(",")).methods
     torch.set_num_threads(1)
-    rec = Recorder(code=("semantic", "lab/semantic"), models=[a.model, a.router], n=a.n, seeds=[a.seed],
+    code = ("semantic", "models", "lab/semantic/timing.py", "lab/semantic/bench.py", "lab/semantic/protocol.py",
+            "lab/semantic/methods", "lab/harness.py", "lab/decode.py")  # what it runs (not the report's section)
+    rec = Recorder(code=code, models=[a.model, a.router], n=a.n, seeds=[a.seed],
                    tasks=["niah_single"], lengths=[a.length],
                    settings={"budget": a.budget, "methods": names, "repeats": a.repeats, "recent": a.recent,
                              "max_span": a.max_span, "memory": a.memory, "slow": a.slow, "bits": a.bits,
+                             "expand_share": a.expand_share,
                              "timing": True})
     model, tok = load_reference(a.model)
     router = SemanticRouter.load(a.router, model)
     items = build_items(tok, "niah_single", a.length, a.n, a.seed)
     res = time_methods(model, tok, items, names, a.budget, router, SegmentConfig(recent=a.recent, max_span=a.max_span),
-                       a.repeats, methods.SekvOptions(memory=a.memory, slow=a.slow, bits=a.bits))
+                       a.repeats, methods.SekvOptions(memory=a.memory, slow=a.slow, bits=a.bits), a.expand_share)
     for m, row in res.items():
         print(m, row)
     append_run(a.out, {"timing": res}, rec.finish())
