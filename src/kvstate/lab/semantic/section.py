@@ -210,9 +210,9 @@ BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models
                   "--seed 1016 --methods full,sekv,quest,streaming,kivi --recent 16 --max-span 32 --expand-share 0.6 "
                   "--json --out models/ref-attn-sekv/eval_bounds.json")
 MEMORY_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.0625 "
-                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1014 "
-                  "--methods full,sekv_fresh,streaming,kivi --recent 16 --max-span 128 --json "
-                  "--out models/ref-attn-sekv/eval_16x.json")
+                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1022 "
+                  "--methods full,sekv_fresh,streaming,kivi,ExpectedAttentionPress,SnapKVPress --recent 16 "
+                  "--max-span 128 --json --out models/ref-attn-sekv/eval_16x.json")
 FOUR_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 --slow quant "
                 "--bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1018 "
                 "--methods full,sekv,quest --recent 16 --max-span 32 --expand-share 0.6 --json "
