@@ -14,7 +14,8 @@ from kvstate.lab.training import retrain as T
 def test_every_result_file_a_section_reads_has_a_job():
     arts = {j.artifact for j in R.jobs()}
     expected = {"models/ref-hybrid/prefix_replay.json", "models/ref-hybrid/prefix_tree_replay.json",
-                "models/ref-attn-sekv/eval.json", "models/ref-attn-sekv/eval_sweep.json",
+                *(f"models/ref-attn-sekv/{f}.json" for f in ("eval", "eval_sweep", "eval_bounds", "eval_4x", "eval_16x",
+                                                              "decode")),
                 "models/ref-hybrid-sekv/eval.json", "models/codec-ref-attn-ft/bench.json",
                 "models/codec-ref-attn-ft/ttft.json",
                 *(f"models/codec-ref-attn-ft2/{f}" for f in ("bench.json", "ttft.json")

@@ -60,7 +60,15 @@ def jobs() -> list[Job]:
     from kvstate.lab.depth.section import KV1, LABELS, RCLA
     from kvstate.lab.prefix.replay_section import REPLAY_CMD, REPLAY_FILE, TREE_CMD, TREE_FILE
     from kvstate.lab.report import eval_section
-    from kvstate.lab.semantic.section import EVAL_COMMAND, HYBRID_COMMAND, SWEEP_COMMAND
+    from kvstate.lab.semantic.section import (
+        BOUNDS_COMMAND,
+        DECODE_COMMAND,
+        EVAL_COMMAND,
+        FOUR_COMMAND,
+        HYBRID_COMMAND,
+        MEMORY_COMMAND,
+        SWEEP_COMMAND,
+    )
     from kvstate.lab.transfer.section import BENCH_FILE, NEAR_ALIGNED, PAIRS, TTFT_FILE
 
     return [
@@ -72,13 +80,15 @@ def jobs() -> list[Job]:
         Job("prefix:tree-replay", f"models/ref-hybrid/{TREE_FILE}", TREE_CMD, 1800.0),
         *(_depth(name) for name in LABELS),
         *(_depth_decode(name) for name in (RCLA, KV1)),
-        # the headline grid (3 budgets x 1K / 2K / 4K x 3 needle tasks x 100 items, 7 methods + the presses),
-        # one prefill per item shared by every method and budget: scaled from whole-grid items timed here (one
-        # thread, both cores busy): ~3.5 h in-process; the presses (own prefill per item) are unmeasured (no
-        # kvpress environment here), extrapolated ~5 h
-        Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 30600.0),
-        Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 5400.0),  # perplexity
-        Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 25000.0),
+        # the SEKV grid (4:1 and 8:1 at 2K, 3 needle tasks x 100 items, 8 methods + 2 presses), timed here at seed
+        # 1021 with the other core busy: ~16 min in-process, ~15 min for the presses
+        Job("semantic:ref-attn", "models/ref-attn-sekv/eval.json", EVAL_COMMAND, 1900.0),
+        Job("semantic:bounds", "models/ref-attn-sekv/eval_bounds.json", BOUNDS_COMMAND, 450.0),  # 8:1, memory 0.30
+        Job("semantic:4x", "models/ref-attn-sekv/eval_4x.json", FOUR_COMMAND, 400.0),
+        Job("semantic:16x", "models/ref-attn-sekv/eval_16x.json", MEMORY_COMMAND, 1200.0),  # 4K, presses included
+        Job("semantic:sweep", "models/ref-attn-sekv/eval_sweep.json", SWEEP_COMMAND, 450.0),  # perplexity
+        Job("semantic:decode", "models/ref-attn-sekv/decode.json", DECODE_COMMAND, 300.0),  # interleaved repeats
+        Job("semantic:ref-hybrid", "models/ref-hybrid-sekv/eval.json", HYBRID_COMMAND, 1100.0),
         *(job for pair in PAIRS if pair == NEAR_ALIGNED or (REPO / "models" / pair.codec).is_dir()
           for job in _transfer(pair, BENCH_FILE, TTFT_FILE)),
     ]

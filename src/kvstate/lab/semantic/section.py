@@ -484,9 +484,12 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "fetched page (union over heads) — at budget x the full KV of the tokens seen; the slow tier is counted "
              "in total bytes. Accuracies pool the questions of the tasks the full cache solves (>= 0.9) at each "
              f"length: {', '.join(f'{L}: {sorted(t)}' for L, t in sorted(solved.items()))}. "
-             "In-project baselines: quest (Quest-like pages), sentencekv (SentenceKV-like sentence retrieval), "
-             "streaming (StreamingLLM-like sinks + window); sekv_fresh decides afresh at every step (no working "
-             "set), sekv_raw keeps the slow tier raw (the low-rank ablation). "
+             "SEKV ranks spans by their key bounds and attends only the spans it expands, from a 4-bit slow tier; "
+             "its ablations: sekv_summaries (the paper's summary entry for every unexpanded span), sekv_learned "
+             "(the paper's learned routing), sekv_fresh (no working set), sekv_raw (raw slow tier). In-project "
+             "baselines: quest (Quest-like pages), sentencekv (SentenceKV-like sentence retrieval), streaming "
+             "(StreamingLLM-like sinks + window), kivi (whole-cache KIVI-style quantization); kvpress presses run "
+             "in their own environment. "
              f"Produced by: {run.get('command', EVAL_COMMAND)}.")
     summary = {f"{m}@{p[0]}": {"attended": round(p[1], 4), "total": round(p[2], 4), "accuracy": round(p[3].value, 4),
                                "ci": [round(p[3].lo, 4), round(p[3].hi, 4)]}
