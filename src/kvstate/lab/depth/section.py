@@ -219,10 +219,16 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     return rows
 
 
+# per model: the test seed of its newest decode run and extra flags (KV1's layers were trained at p = 1, so its
+# sharing patterns are measured post hoc)
+DECODE_RUNS = {RCLA: (1000, ""), KV1: (1023, " --post-hoc")}
+
+
 def decode_command(name: str) -> str:
     """The command that regenerates ``models/<name>/depth_decode.json``."""
+    seed, extra = DECODE_RUNS.get(name, (1000, ""))
     return (f"kvstate depth decode --model models/{name} --keep 1,0.75,0.5,0.25 --context 2K --new-tokens 32 "
-            f"--repeats 5 --seed 1000 --json --out models/{name}/{DECODE_FILE}")
+            f"--repeats 5 --seed {seed}{extra} --json --out models/{name}/{DECODE_FILE}")
 
 
 def decode_rows(models_dir: Path) -> list[HeadlineRow]:
