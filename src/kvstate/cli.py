@@ -8,21 +8,84 @@ exits with code 2; ``--debug`` shows the traceback instead. Anything else is a b
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
+import typer.main
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
 
 from kvstate.errors import KVStateError
 from kvstate.io_safety import check_output_file
 from kvstate.lab.cli_output import print_json
 from kvstate.lab.lists import parse_names
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Manage the state an LLM carries between tokens.")
+try:  # typer >= 0.20 runs on its own vendored copy of click
+    from typer._click import core as click_core
+    from typer._click import exceptions as click_exc
+except ImportError:  # pragma: no cover
+    from click import core as click_core  # type: ignore[no-redef]
+    from click import exceptions as click_exc  # type: ignore[no-redef]
+
+# The commands each axis adds, imported only when invoked (or listed by --help): a run executes its own
+# axis's code and no other, so the executed-code digest of a result (kvstate.lab.provenance) changes only
+# when code that run used changes. name: (module, attribute, help of a single command; None: a Typer group).
+LAZY_COMMANDS: dict[str, tuple[str, str, str | None]] = {
+    "train": ("kvstate.lab.training.cli", "train_command",
+              "Train a small reference model on the synthetic tasks (not run by make test)."),
+    "eval": ("kvstate.lab.training.cli", "eval_command", "Score a model on synthetic tasks under the full cache."),
+    "prefix": ("kvstate.lab.prefix.cli", "app", None),
+    "depth": ("kvstate.lab.depth.cli", "app", None),
+    "semantic": ("kvstate.lab.semantic.cli", "app", None),
+    "transfer": ("kvstate.lab.transfer.cli", "app", None),
+    "lab": ("kvstate.lab.make.cli", "app", None),
+    "serve": ("kvstate.serve.cli", "serve_command",
+              "An OpenAI-compatible server with the sparse prefix cache under every request."),
+}
+
+
+def _lazy_command(name: str) -> click_core.Command:
+    import importlib
+
+    module, attr, help_text = LAZY_COMMANDS[name]
+    obj = getattr(importlib.import_module(module), attr)
+    if help_text is None:  # a Typer sub-application: its click group, named as the command
+        group = typer.main.get_command(obj)
+        group.name = name
+        return group
+    single = typer.Typer(add_completion=False)
+    single.command(name, help=help_text)(obj)
+    return typer.main.get_command(single)
+
+
+class LazyGroup(TyperGroup):
+    """The top-level group: the eager commands above, and :data:`LAZY_COMMANDS` loaded on first use."""
+
+    def list_commands(self, ctx: click_core.Context) -> list[str]:
+        return [*super().list_commands(ctx), *(n for n in LAZY_COMMANDS if n not in self.commands)]
+
+    def get_command(self, ctx: click_core.Context, cmd_name: str) -> click_core.Command | None:
+        if cmd_name in LAZY_COMMANDS and cmd_name not in self.commands:
+            self.commands[cmd_name] = _lazy_command(cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+    def resolve_command(self, ctx: click_core.Context, args: list[str]) -> tuple[str | None, click_core.Command | None, list[str]]:
+        try:
+            return super().resolve_command(ctx, args)
+        except click_exc.UsageError as exc:  # suggest among the lazy names too
+            close = difflib.get_close_matches(args[0], self.list_commands(ctx)) if args else []
+            if close and "Did you mean" not in exc.message:
+                exc.message = f"{exc.message.rstrip('.')}. Did you mean {', '.join(map(repr, close))}?"
+            raise
+
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=LazyGroup,
+                  help="Manage the state an LLM carries between tokens.")
 console = Console()
 err = Console(stderr=True)
 _state = {"debug": False}
@@ -180,23 +243,6 @@ def _plot_plan(path: Path, w, plans: dict[str, list[int]]) -> None:  # type: ign
         plt.close(fig)
 
 
-def _register_model_commands() -> None:
-    from kvstate.lab.training.cli import eval_command, train_command
-
-    app.command("train", help="Train a small reference model on the synthetic tasks (not run by make test).")(train_command)
-    app.command("eval", help="Score a model on synthetic tasks under the full cache.")(eval_command)
-    app.add_typer(__import__("kvstate.lab.prefix.cli", fromlist=["app"]).app, name="prefix")
-    app.add_typer(__import__("kvstate.lab.depth.cli", fromlist=["app"]).app, name="depth")
-    app.add_typer(__import__("kvstate.lab.semantic.cli", fromlist=["app"]).app, name="semantic")
-    app.add_typer(__import__("kvstate.lab.transfer.cli", fromlist=["app"]).app, name="transfer")
-    app.add_typer(__import__("kvstate.lab.make.cli", fromlist=["app"]).app, name="lab")
-
-
-_register_model_commands()
-app.command("serve", help="An OpenAI-compatible server with the sparse prefix cache under every request.")(
-    __import__("kvstate.serve.cli", fromlist=["serve_command"]).serve_command)
-
-
 def _fail(message: str) -> None:
     # one line, written directly: a Rich console would wrap it at the terminal width
     sys.stderr.write("error: " + " ".join(message.split()) + "\n")
@@ -206,11 +252,6 @@ def _fail(message: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors and :class:`KVStateError` become one line on stderr and exit code 2."""
-    try:  # typer >= 0.20 runs on its own vendored copy of click
-        from typer._click import exceptions as click_exc
-    except ImportError:  # pragma: no cover
-        from click import exceptions as click_exc  # type: ignore[no-redef]
-
     args = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in args[: next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))]
     try:

@@ -127,3 +127,36 @@ def test_plan_bad_input_exits_2(tmp_path):
     np.save(tmp_path / "w.npy", np.array([1.0, -1.0, 2.0]))
     res = _run_cli("plan", "--weights", str(tmp_path / "w.npy"), "--slots", "2")
     assert res.returncode == 2 and "weights" in res.stderr
+
+
+_AXIS_CLIS = ("kvstate.lab.prefix.cli", "kvstate.lab.depth.cli", "kvstate.lab.semantic.cli",
+              "kvstate.lab.transfer.cli", "kvstate.lab.make.cli", "kvstate.lab.training.cli", "kvstate.serve.cli")
+
+
+def _imported_after(argv: list[str]) -> set[str]:
+    code = ("import sys\nfrom kvstate.cli import main\ntry:\n    main(" + repr(argv) + ")\nexcept SystemExit:\n"
+            "    pass\nprint(' '.join(m for m in sys.modules if m.startswith('kvstate')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return set(res.stdout.split()[-1000:])
+
+
+def test_an_axis_command_imports_only_its_own_axis():
+    # a result's executed-code digest covers what its process imported: a depth run must not import the
+    # other axes' CLIs (an edit there would otherwise make every result stale)
+    loaded = _imported_after(["depth", "eval", "--help"])
+    assert "kvstate.lab.depth.cli" in loaded
+    assert not {m for m in _AXIS_CLIS if m != "kvstate.lab.depth.cli"} & loaded
+    assert not {m for m in loaded if m.startswith(("kvstate.lab.semantic", "kvstate.lab.transfer",
+                                                     "kvstate.lab.prefix", "kvstate.serve"))}
+
+
+def test_top_level_help_lists_every_lazy_command_and_typos_suggest_them():
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    for name in ("info", "report", "plan", "train", "eval", "prefix", "depth", "semantic", "transfer", "lab",
+                 "serve"):
+        assert f" {name} " in res.output
+    res = subprocess.run([sys.executable, "-m", "kvstate.cli", "semantc"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: No such command 'semantc'. Did you mean 'semantic'? (see kvstate --help)"

@@ -226,8 +226,10 @@ def kept_fraction(pattern: SharingPattern, layers: Sequence[LayerSpec]) -> float
 
 def kv_bytes(pattern: SharingPattern, layers: Sequence[LayerSpec], dtype_bytes: int) -> int:
     """Attention K/V bytes per token under ``pattern``: only owners hold a cache."""
+    from kvstate.models.accounting import kv_token_bytes
+
     pattern.validate(layers)
-    return sum(2 * layers[i].kv_heads * layers[i].head_dim * dtype_bytes
+    return sum(kv_token_bytes(layers[i].kv_heads, layers[i].head_dim, dtype_bytes)
                for i in pattern.owners if layers[i].is_attention)
 
 

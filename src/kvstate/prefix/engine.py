@@ -40,7 +40,7 @@ from kvstate.models import (
 )
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.events import CacheEvents
-from kvstate.prefix.placement import plan_checkpoints
+from kvstate.prefix.placement import Placement, plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
 from kvstate.prefix.segments import build_cache, kv_segment, split_segment, to_device
 from kvstate.prefix.shared_tier import Layout, RemoteMetrics, SharedTier, layout_of, load_key
@@ -84,7 +84,7 @@ class SparsePrefixCache:
         alpha: float = 1.0,
         block_size: int = 64,
         state_device: str | None = None,
-        placement: str = "path",
+        placement: Placement | str = Placement.PATH,
         remote_tier: RemoteTier | None = None,
     ) -> None:
         """``remote_tier``: the shared tier's byte store (default: :class:`RedisTier` on ``config.remote``;

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from kvstate.errors import UnsupportedModelError
 from kvstate.models.families import LayerKind, layer_kinds
 from kvstate.models.rotary import rotary_tables, rotate
+from kvstate.models.state import fill_cache
 
 K_NORM = {"qwen3": True, "llama": False, "mistral": False, "qwen2": False}  # family -> has per-head k_norm
 
@@ -117,15 +118,16 @@ def prefill_states(model: Any, input_ids: torch.Tensor) -> LayerStates:
 
 def build_cache(model: Any, keys: list[torch.Tensor], values: list[torch.Tensor], start: int = 0) -> DynamicCache:
     """A ``DynamicCache`` for ``model`` from per-layer pre-rotary keys and values (T, H_kv, D) at positions
-    ``start .. start+T-1``: rotary applied with the model's own embedding, cast to its dtype."""
+    ``start .. start+T-1``: rotary applied with the model's own embedding, cast to its dtype, and filled by the
+    one cache builder (:func:`kvstate.models.state.fill_cache`)."""
     dtype = next(model.parameters()).dtype
     t = keys[0].shape[0]
     cos, sin = rotary_tables(model, torch.arange(start, start + t))
-    cache = DynamicCache(config=model.config)
-    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for k, v in zip(keys, values, strict=True):
         kr = rotate(model, k.to(dtype), cos[0], sin[0])  # (T, H_kv, D) with (T, D) tables
-        cache.update(kr.transpose(0, 1)[None].contiguous(), v.to(dtype).transpose(0, 1)[None].contiguous(), i)
-    return cache
+        kv.append((kr.transpose(0, 1)[None].contiguous(), v.to(dtype).transpose(0, 1)[None].contiguous()))
+    return fill_cache(model.config, layer_kinds(model.config), kv, [None] * len(kv), t)
 
 
 @torch.inference_mode()

@@ -34,7 +34,7 @@ from kvstate.lab.workloads.traces import Request
 from kvstate.models import segmented_prefill
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.engine import SparsePrefixCache
-from kvstate.prefix.placement import plan_checkpoints
+from kvstate.prefix.placement import Placement, plan_checkpoints
 from kvstate.prefix.segments import KVSegment
 
 
@@ -61,7 +61,7 @@ class ReplayResult:
     wall_s_no_cache: float  # one plain prefill per request
     saved_r2: float  # R² of per-request wall-clock saved against tokens reused (linear fit)
     per_request: list[dict[str, float]] = field(default_factory=list, repr=False)
-    placement: str = "path"  # "path" (one plan per request path) or "tree" (exact DP over the radix tree)
+    placement: Placement = Placement.PATH  # PATH (one plan per request path) or TREE (exact DP over the radix tree)
     replicas: int = 1  # engines serving the requests round-robin (sharing `remote`)
     remote_hits: int = 0  # local misses resumed from the shared tier (all replicas)
     remote_tokens_reused: int = 0  # tokens those restored beyond the local hit

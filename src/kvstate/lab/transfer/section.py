@@ -92,7 +92,8 @@ def recompute_targets(bench: dict[str, Any], art: Artifact, label: str = "") -> 
                   [[m, f"{p['score']:.3f} {_ci(p['ci'])}", str(p["n"]), f"{p['payload_bytes_per_token']:.0f}",
                     str(p.get("recomputed_layers"))] for m, p in by.items()])
     return rows, table
-SEED = 1001  # the regenerating commands' test seed: the ledger holds 1000 for both files of both pairs
+BENCH_METHODS = "raw,raw_fp32,kivi4,kivi2,droidspeak,reuse,scd"  # the full SCD run every scd row reads
+TTFT_METHODS = "raw,droidspeak,scd,scd_recompute"
 
 
 @dataclass(frozen=True)
@@ -104,24 +105,28 @@ class Pair:
     consumer: str
     codec: str
     pca_codec: str | None = None  # the producer-space PCA codec of the same pair: the reuse_pca_producer ablation
+    bench_seed: int = 1001  # the test seed of the newest full SCD run (the ledger refuses a spent one)
+    ttft_seed: int = 1001  # the test seed of the newest TTFT run
 
     def bench_command(self) -> str:
         # 25 items x 4 needle tasks = 100 per length; the key-vs-value rank ablation on 13 x 4 = 52 items per point
         pca = f"--pca-codec models/{self.pca_codec} " if self.pca_codec else ""
         return (f"kvstate transfer bench --producer models/{self.producer} --consumer models/{self.consumer} "
-                f"--codec models/{self.codec} {pca}--n 25 --length 1024,4096,8128 --ppl-n 200 --ablation-n 13 "
-                f"--seed {SEED} --out models/{self.codec}/{BENCH_FILE}")
+                f"--codec models/{self.codec} {pca}--methods {BENCH_METHODS} --n 25 --length 1024,2048 --ppl-n 200 "
+                f"--ablation-n 13 --seed {self.bench_seed} --out models/{self.codec}/{BENCH_FILE}")
 
     def ttft_command(self) -> str:
         return (f"kvstate transfer ttft --producer models/{self.producer} --consumer models/{self.consumer} "
-                f"--codec models/{self.codec} --rate 0.1,1,10 --length 1K,4K,8K --repeats 5 --seed {SEED} "
-                f"--out models/{self.codec}/{TTFT_FILE}")
+                f"--codec models/{self.codec} --methods {TTFT_METHODS} --options scd_recompute.artifact=models/"
+                f"{self.codec}/profiles/scd_recompute.safetensors --rate 0.1,1,10 --length 1K,4K,8K --repeats 5 "
+                f"--seed {self.ttft_seed} --out models/{self.codec}/{TTFT_FILE}")
 
 
 # the default pair first: a consumer fine-tuned far enough that raw producer KV hurts it; then the nearly
 # aligned control (raw reuse barely moves it). A pair whose codec directory is absent is listed, not read.
-SHIFTED = Pair("shifted", "ref-attn", "ref-attn-ft2", "codec-ref-attn-ft2", "codec-ref-attn-ft2-pca")
-NEAR_ALIGNED = Pair("near-aligned", "ref-attn", "ref-attn-ft", "codec-ref-attn-ft")
+SHIFTED = Pair("shifted", "ref-attn", "ref-attn-ft2", "codec-ref-attn-ft2", "codec-ref-attn-ft2-pca", bench_seed=1035,
+               ttft_seed=1037)
+NEAR_ALIGNED = Pair("near-aligned", "ref-attn", "ref-attn-ft", "codec-ref-attn-ft", bench_seed=1024, ttft_seed=1036)
 PAIRS = (SHIFTED, NEAR_ALIGNED)
 CODEC, COMMAND = SHIFTED.codec, SHIFTED.bench_command()  # the default pair
 
