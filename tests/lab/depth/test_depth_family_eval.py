@@ -21,10 +21,14 @@ def test_worst_pattern_on_a_constructed_eval(start, monkeypatch):
     # pattern -> per-item scores: 0_1_0_0 is the worst (0 of 4), 0_0_2_0 next (1 of 4), the rest solve every item
     constructed = {"0_1_0_0": [0, 0, 0, 0], "0_0_2_0": [1, 0, 0, 0]}
 
+    cells = [(t, n) for t in evaluate.SCORE_TASKS for n in evaluate.SCORE_LENGTHS]  # (task, length) order
+
     def fake_score(model, tokenizer, pattern, tasks, lengths, n, seed, progress):
+        assert len(tasks) == len(lengths) == n == 1  # the experiment loop measures one cell at a time
         items = constructed.get(format_pattern(pattern), [1, 1, 1, 1])
+        v = items[cells.index((tasks[0], lengths[0]))]
         return SimpleNamespace(examples=[SimpleNamespace(score=v, cache_bytes=64, n_tokens=8, decode_s=0.1,
-                                                         new_tokens=2) for v in items])
+                                                         new_tokens=2)])
 
     monkeypatch.setattr(evaluate, "_score", fake_score)
     res = evaluate_sharing(start, [1, 0.5], n=1, seed=0, ppl_length=128, ppl_texts=2, depth={"p": 0.5, "p_layer": None})
@@ -125,3 +129,33 @@ def test_report_decides_decode_speed_from_the_repeats_and_checks_the_bytes_held(
     assert decode_rows(write([180.0, 230.0]))[0].status == "undecided"  # the ranges overlap
     assert decode_rows(write([150.0, 170.0]))[0].status == "missed"
     assert decode_rows(write([240.0, 260.0], half_bytes=4100))[1].met is False  # not exactly half: the check fails
+
+
+def test_two_models_pair_on_the_cells_both_full_caches_solve():
+    from kvstate.lab.depth.section import _score_vs
+
+    cells = ["niah_single@1024", "niah_multikey@1024"]
+    # a's full cache solves both cells, b's only the first: the pair is on the first cell's 4 items only
+    a = {"seed": 1000, "score": 0.75, "items": [1, 1, 1, 0, 1, 0, 1, 1], "tasks": cells, "cells": cells,
+         "all_items": [1, 1, 1, 0, 1, 0, 1, 1]}
+    b = {"seed": 1000, "score": 0.5, "items": [1, 0, 1, 0], "tasks": cells[:1], "cells": cells,
+         "all_items": [1, 0, 1, 0, 0, 0, 0, 0]}
+    est = _score_vs(a, b)
+    assert est.n == 4 and abs(est.value - 0.25) < 1e-12  # (3 - 2) / 4 on niah_single only
+    assert _score_vs(a, {**b, "seed": 1001}) is None  # other items: never paired
+
+
+def test_a_model_whose_full_cache_solves_no_cell_decides_nothing():
+    from kvstate.lab.depth.section import BASE, headline
+    from kvstate.lab.provenance import Artifact
+
+    def row(keep, pattern, ppl):
+        return {"keep": keep, "pattern": pattern, "ppl": ppl, "ppl_ci": [ppl * 0.9, ppl * 1.1], "score": None,
+                "score_ci": None, "items": [], "tasks": [], "excluded_tasks": {"niah_single@1024": 0.5},
+                "kv_bytes_per_token": 256 * keep, "seed": 1000}
+
+    res = {BASE: [row(1.0, "0_1_2_3", 10.0), row(0.5, "0_0_2_2", 10.1)]}
+    arts = {BASE: Artifact("models/x/depth_eval.json", "cmd", "current", "", {}, 1)}
+    rows = {h.target: h for h in headline(res, arts)}
+    r = rows["post-hoc sharing of the base model measurably worse at keep <= 0.5"]
+    assert "score — vs —" in r.measured and r.met is False  # ppl +1% only; no score to compare

@@ -107,20 +107,27 @@ def test_evaluate_sharing_shape_and_measured_bytes(start):
 
     res = evaluate_sharing(start, [1, 0.5, 0.25], "keep", n=1, seed=0, tasks=["niah_single"], lengths=[256],
                            ppl_length=128, ppl_texts=3)
-    assert set(res) == {"model", "n", "seed", "tasks", "lengths", "ppl_texts", "ppl_length", "results"}
+    assert set(res) == {"model", "n", "seed", "tasks", "lengths", "ppl_texts", "ppl_length", "results",
+                        "experiment", "rows", "pooled", "decisions", "provenance"}  # the experiment loop's own keys
     assert [r["pattern"] for r in res["results"]] == ["0_1_2_3", "0_0_2_2", "0_0_0_0"]
     for r in res["results"]:
         assert set(r) == {"keep", "pattern", "ppl", "ppl_ci", "score", "score_ci", "kv_bytes_per_token",
-                          "peak_bytes", "decode_tok_s", "items", "text_nll", "family", "family_patterns", "mean_score",
+                          "peak_bytes", "decode_tok_s", "items", "tasks", "excluded_tasks", "cells", "all_items",
+                          "text_nll", "family",
+                          "family_patterns", "mean_score",
                           "worst_score", "worst_score_ci", "worst_pattern"}
         assert r["family"] == "undeclared" and list(r["family_patterns"]) == [r["pattern"]]
         assert r["worst_score"] == r["score"] == r["mean_score"] and r["worst_pattern"] == r["pattern"]
         assert r["kv_bytes_per_token"] == r["keep"] * 4 * 2 * 2 * 16 * 4  # layers x K,V x kv heads x head_dim x fp32
-        assert r["ppl_ci"][0] <= r["ppl"] <= r["ppl_ci"][1] and r["score_ci"][0] <= r["score"] <= r["score_ci"][1]
-        assert len(r["items"]) == 1 and r["peak_bytes"] > 0
+        assert r["ppl_ci"][0] <= r["ppl"] <= r["ppl_ci"][1] and r["peak_bytes"] > 0
+        # the start model's full cache does not solve the one cell: nothing is pooled, the cell is shown excluded
+        assert r["score"] is None and r["score_ci"] is None and r["items"] == [] and r["tasks"] == []
+        assert r["excluded_tasks"] == {"niah_single@256": 0.0} and r["cells"] == ["niah_single@256"]
+        assert r["all_items"] == [0.0]  # every cell kept, so rows of two models can pair on the cells both solve
         nll, tok = zip(*r["text_nll"], strict=True)
         assert len(nll) == 3 and abs(math.exp(sum(nll) / sum(tok)) - r["ppl"]) < 1e-3 * r["ppl"]
     assert [t for _, t in res["results"][0]["text_nll"]] == [t for _, t in res["results"][2]["text_nll"]]
+    assert res["pooled"]["reference"] == "start:1/0_1_2_3" and res["experiment"]["axis"] == "depth"
     with pytest.raises(PatternError, match="not a whole number"):
         evaluate_sharing(start, [0.3], "keep", n=1)
 

@@ -104,7 +104,8 @@ def card_text(model_dir: Path) -> str:
         if prov:
             how = (f"score = exact match over {' / '.join(data.get('tasks', []))} at "
                    f"{' and '.join(str(x) for x in data.get('lengths', []))} tokens, n = {data.get('n')} per task and "
-                   f"length (seed {data.get('seed')}), 95% interval; ppl on {data.get('ppl_texts')} held-out texts of "
+                   f"length (seed {data.get('seed')}), 95% interval, pooled over the cells the full cache solves"
+                   f"{_excluded(data)}; ppl on {data.get('ppl_texts')} held-out texts of "
                    f"{data.get('ppl_length')} tokens (bootstrap interval); KV bytes per token and peak bytes measured "
                    f"from the cache tensors. Run: `{prov.get('command')}` at commit {prov.get('commit')} "
                    f"({prov.get('date_utc')} UTC, {prov.get('wall_seconds')} s).")
@@ -116,7 +117,8 @@ def card_text(model_dir: Path) -> str:
             ppl_ci = r.get("ppl_ci")
             score_ci = r.get("score_ci")
             ppl = f"{r['ppl']:.3f}" + (f" [{ppl_ci[0]:.2f}, {ppl_ci[1]:.2f}]" if ppl_ci else "")
-            score = f"{r['score']:.3f}" + (f" [{score_ci[0]:.3f}, {score_ci[1]:.3f}]" if score_ci else "")
+            score = "— (the full cache solves no cell)" if r["score"] is None else \
+                f"{r['score']:.3f}" + (f" [{score_ci[0]:.3f}, {score_ci[1]:.3f}]" if score_ci else "")
             lines.append(f"| {r['keep']:g} | `{r['pattern']}` | {ppl} | {score} | "
                          f"{r['kv_bytes_per_token']:g} | {r['decode_tok_s']:g} |")
         lines.append("")
@@ -131,6 +133,12 @@ def write_card(model_dir: Path, *, overwrite: bool = False) -> Path:
     out = check_card_out(Path(model_dir) / "README.md", MARKER, overwrite=overwrite, option="depth card")
     write_text_atomic(out, text)
     return out
+
+
+def _excluded(data: dict[str, Any]) -> str:
+    rows = data.get("results") or [{}]
+    out = rows[0].get("excluded_tasks") or {}
+    return f" (not pooled: {', '.join(f'{k} {v:.2f}' for k, v in out.items())})" if out else ""
 
 
 __all__ = ["EVAL_FILE", "card_text", "write_card"]

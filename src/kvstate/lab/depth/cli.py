@@ -104,8 +104,8 @@ def routing_text(depth: dict) -> str:
 
 
 # the source a depth evaluation depends on: a change here makes committed depth_eval.json files stale
-EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "lab/harness.py", "lab/decode.py", "lab/perplexity.py",
-             "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
+EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "lab/experiment.py", "lab/harness.py",
+             "lab/decode.py", "lab/perplexity.py", "lab/stats.py", "lab/scoring.py", "lab/workloads/tasks.py")
 
 
 @app.command("eval")
@@ -129,11 +129,10 @@ def eval_command(
     from rich.table import Table
 
     from kvstate.errors import KVStateError
-    from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
-    from kvstate.lab.depth.evaluate import SCORE_LENGTHS, SCORE_TASKS, evaluate_sharing
+    from kvstate.lab.cli_output import check_results_out, print_json, table_console
+    from kvstate.lab.depth.evaluate import SCORE_LENGTHS, evaluate_sharing
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit
     from kvstate.lab.lists import parse_floats
-    from kvstate.lab.provenance import Recorder
     from kvstate.models.loading import load_config
 
     fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
@@ -147,24 +146,29 @@ def eval_command(
         check_results_out(out, overwrite=overwrite)
     check_lengths_fit(load_config(model), SCORE_LENGTHS)  # the config alone: before reading the weights
     check_deployable(model, fractions, pattern_kind, post_hoc=post_hoc)
-    rec = Recorder(code=EVAL_CODE, models=[model], n=n, seeds=[seed], tasks=SCORE_TASKS, lengths=SCORE_LENGTHS,
-                   settings={"keep": fractions, "pattern_kind": pattern_kind, "post_hoc": post_hoc})
-    result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True, post_hoc=post_hoc)
+    # through the lab's experiment loop: ledger checked before any item, solved cells pooled, provenance appended
+    result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True, post_hoc=post_hoc,
+                              out=out, overwrite=overwrite, code=EVAL_CODE)
+
+    def f3(x: float | None) -> str:
+        return "—" if x is None else f"{x:.3f}"
+
     table = Table(title=f"{model} — {pattern_kind} patterns, n={n}, seed={seed}")
     for col in ("keep", "pattern", "ppl", "score", "family", "mean", "worst", "worst pattern", "KV B/token",
                 "decode tok/s"):
         table.add_column(col, justify="right")
     for r in result["results"]:
-        table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f"{r['score']:.3f}",
-                      f"{r['family']} ({len(r['family_patterns'])})", f"{r['mean_score']:.3f}",
-                      f"{r['worst_score']:.3f}", r["worst_pattern"], f"{r['kv_bytes_per_token']:,}",
+        table.add_row(f"{r['keep']:g}", r["pattern"], f"{r['ppl']:.3f}", f3(r["score"]),
+                      f"{r['family']} ({len(r['family_patterns'])})", f3(r["mean_score"]),
+                      f3(r["worst_score"]), r["worst_pattern"], f"{r['kv_bytes_per_token']:,}",
                       f"{r['decode_tok_s']:.1f}")
+    excluded = result["results"][0]["excluded_tasks"] if result["results"] else {}
+    if excluded:
+        table.caption = "not pooled (the full cache scores < 0.9): " + ", ".join(
+            f"{k} ({v:.2f})" for k, v in excluded.items())
     table_console(as_json).print(table)
-    prov = rec.finish()
-    if out is not None:
-        write_results(out, result, prov, overwrite=overwrite)
     if as_json:
-        print_json({**result, "provenance": prov})
+        print_json(result)
 
 
 DIAGNOSE_CODE = ("depth", "models", "lab/depth/diagnose.py", "lab/harness.py", "lab/decode.py", "lab/stats.py",

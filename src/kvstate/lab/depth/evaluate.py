@@ -78,23 +78,39 @@ def _score(model: Any, tokenizer: Any, pattern: Any, tasks: Sequence[str], lengt
                      cache_factory=lambda m, pat=pattern: sharing_cache(m.config, pat), progress=progress)
 
 
+def _method(model: str, keep: float, pattern: str) -> str:
+    """The experiment loop's (and the seed ledger's) name for one model's pattern at one kept fraction."""
+    return f"{model}:{keep:g}/{pattern}"
+
+
 def evaluate_sharing(model_dir: str | Path, keeps: Sequence[float], kind: str = "keep", *, n: int = 10, seed: int = 0,
                      progress: bool = False, model: Any = None, tokenizer: Any = None,
                      tasks: Sequence[str] = SCORE_TASKS, lengths: Sequence[int] = SCORE_LENGTHS,
                      ppl_length: int = PPL_LENGTH, ppl_texts: int = protocol.PPL_TEXTS, post_hoc: bool = False,
-                     depth: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``{"model", "n", "seed", "tasks", "lengths", "ppl_texts", "results": [row per keep]}``.
+                     depth: dict[str, Any] | None = None, out: Path | None = None, overwrite: bool = False,
+                     code: Sequence[str] = ()) -> dict[str, Any]:
+    """Run the depth evaluation through the lab's experiment loop (:func:`kvstate.lab.experiment.run`).
 
-    A row: ``keep, pattern, ppl, ppl_ci, score, score_ci, kv_bytes_per_token, peak_bytes, decode_tok_s,
-    items`` (per-item exact match, in ``(task, length, index)`` order) for the headline pattern, and ``family,
-    family_patterns, mean_score, worst_score, worst_score_ci, worst_pattern`` over the declared family at that keep
-    (:func:`family_plan`). Every pattern is built (and every bad fraction or out-of-family pattern rejected) before
-    the model runs. ``model`` / ``tokenizer`` skip loading ``model_dir``; ``depth`` (the run's depth entry) is read
-    from ``model_dir``'s training state when not given.
+    Every (kept fraction, pattern) is a method of one :class:`~kvstate.lab.experiment.Experiment` over
+    ``tasks`` x ``lengths`` with ``n`` items per cell; the full cache (the identity pattern; added when keep 1 is
+    not asked for) is its reference, so scores pool only the (task, length) cells it solves, the others listed
+    in ``excluded_tasks``. ``out`` is checked against the seed ledger before any item runs and the run appended
+    with provenance (``code``: the source it depends on).
+
+    The document holds the loop's ``experiment, rows, pooled, decisions`` and the depth view of the same rows:
+    ``model, n, seed, tasks, lengths, ppl_texts, ppl_length`` and ``results``, one row per keep: ``keep, pattern,
+    ppl, ppl_ci, score, score_ci, kv_bytes_per_token, peak_bytes, decode_tok_s, items`` (per-item exact match over
+    the solved cells, in ``(task, length, index)`` order), ``tasks, excluded_tasks`` for the headline pattern, and
+    ``family, family_patterns, mean_score, worst_score, worst_score_ci, worst_pattern`` over the declared family at
+    that keep (:func:`family_plan`). A score is ``None`` when the full cache solves no cell. Every pattern is built
+    (and every bad fraction or out-of-family pattern rejected) before the model runs. ``model`` / ``tokenizer``
+    skip loading ``model_dir``; ``depth`` (the run's depth entry) is read from ``model_dir``'s training state when
+    not given.
     """
     from kvstate.depth.attention import layer_specs
-    from kvstate.depth.patterns import format_pattern
+    from kvstate.depth.patterns import SharingPattern, format_pattern
     from kvstate.depth.sharing import apply_sharing
+    from kvstate.lab import experiment as ex
     from kvstate.lab.harness import load_reference
     from kvstate.lab.perplexity import continuation_nll
     from kvstate.lab.training.io import STATE_FILE, read_state
@@ -106,39 +122,93 @@ def evaluate_sharing(model_dir: str | Path, keeps: Sequence[float], kind: str = 
         model, tokenizer = load_reference(model_dir)
     specs = layer_specs(model.config)
     plans = [(k, *family_plan(depth, specs, k, kind, post_hoc=post_hoc)) for k in keeps]
-    texts = [tokenizer(ex.prompt)["input_ids"] for ex in generate("text", ppl_length, ppl_texts, seed, tokenizer)]
-    rows = []
-    for keep, pattern, family, how in plans:
+    identity = SharingPattern(tuple(range(len(specs))))
+    name = Path(model_dir).name
+    patterns: dict[str, Any] = {}  # method name -> pattern, in run order (the reference first)
+    if not any(abs(k - 1.0) < 1e-12 and p == identity for k, p, _, _ in plans):
+        patterns[_method(name, 1.0, format_pattern(identity))] = identity
+    for keep, _, family, _ in plans:
+        for pat in family:
+            patterns.setdefault(_method(name, keep, format_pattern(pat)), pat)
+    reference = next(m for m, pat in patterns.items() if pat == identity and m.startswith(f"{name}:1/"))
+    e = ex.Experiment(axis="depth", name="depth-eval", methods=tuple(patterns), seeds=(seed,), tasks=tuple(tasks),
+                      lengths=tuple(lengths), n=n, reference=reference, code=tuple(code), models=(str(model_dir),),
+                      settings={"keep": list(keeps), "pattern_kind": kind, "post_hoc": post_hoc})
+
+    texts = [tokenizer(x.prompt)["input_ids"] for x in generate("text", ppl_length, ppl_texts, seed, tokenizer)]
+    nlls: dict[float, list[Any]] = {}
+
+    def measure(cell: Any) -> Any:
+        pattern = patterns[cell.method]
         with apply_sharing(model, pattern):
-            res = _score(model, tokenizer, pattern, tasks, lengths, n, seed, progress)
-            nll = [continuation_nll(model, ids) for ids in texts]
-        items = [float(e.score) for e in res.examples]
-        score = stats.rate(items, seed=seed)
-        scored = {format_pattern(pattern): (score, items)}
-        for other in family[1:]:
-            with apply_sharing(model, other):
-                more = [float(e.score) for e in _score(model, tokenizer, other, tasks, lengths, n, seed, progress).examples]
-            scored[format_pattern(other)] = (stats.rate(more, seed=seed), more)
-        worst = min(scored, key=lambda k: (scored[k][0].value, k))
-        ppl = stats.perplexity([t.nll for t in nll], [t.tokens for t in nll], seed=seed)
-        per_token = [e.cache_bytes / e.n_tokens for e in res.examples]
-        decode_s = sum(e.decode_s for e in res.examples)
-        rows.append({"keep": keep, "pattern": format_pattern(pattern),
-                     "ppl": round(ppl.value, 4), "ppl_ci": [round(ppl.lo, 4), round(ppl.hi, 4)],
-                     "score": round(score.value, 4), "score_ci": [round(score.lo, 4), round(score.hi, 4)],
-                     "kv_bytes_per_token": round(sum(per_token) / len(per_token), 2),
-                     "peak_bytes": max(e.cache_bytes for e in res.examples),
-                     "decode_tok_s": round(sum(e.new_tokens for e in res.examples) / decode_s, 1) if decode_s else 0.0,
-                     "items": items, "text_nll": [[round(t.nll, 5), t.tokens] for t in nll],
-                     "family": how,
-                     "family_patterns": {k: {"score": round(est.value, 4), "score_ci": [round(est.lo, 4), round(est.hi, 4)],
-                                             "items": its} for k, (est, its) in scored.items()},
-                     "mean_score": round(sum(est.value for est, _ in scored.values()) / len(scored), 4),
-                     "worst_score": round(scored[worst][0].value, 4),
-                     "worst_score_ci": [round(scored[worst][0].lo, 4), round(scored[worst][0].hi, 4)],
-                     "worst_pattern": worst})
-    return {"model": str(model_dir), "n": n, "seed": seed, "tasks": list(tasks), "lengths": list(lengths),
-            "ppl_texts": ppl_texts, "ppl_length": ppl_length, "results": rows}
+            res = _score(model, tokenizer, pattern, [cell.task], [cell.length], cell.n, cell.seed, False)
+        got = list(res.examples)
+        return ex.Measurement([float(x.score) for x in got], {
+            "bytes_per_token": [x.cache_bytes / x.n_tokens for x in got],
+            "peak_bytes": max(x.cache_bytes for x in got), "decode_s": sum(x.decode_s for x in got),
+            "new_tokens": sum(x.new_tokens for x in got)})
+
+    def summarize(rows: Sequence[dict[str, Any]], pool: Any) -> dict[str, Any]:
+        solved = list(pool["tasks"])
+        order = [ex._key(t, length) for t in tasks for length in lengths]  # (task, length, index) order
+        cells_ = [c for c in order if c in solved]
+
+        def scored(name: str) -> tuple[Any, list[float], list[float]]:
+            by = {ex._key(r["task"], r["length"]): r["values"] for r in rows if r["method"] == name}
+            items = [float(v) for c in cells_ for v in by[c]]
+            return (stats.rate(items, seed=seed) if items else None), items, [float(v) for c in order for v in by[c]]
+
+        out_rows = []
+        for keep, pattern, family, how in plans:
+            head = _method(name, keep, format_pattern(pattern))
+            score, items, all_items = scored(head)
+            fam = {format_pattern(p): scored(_method(name, keep, format_pattern(p))) for p in family}
+            known = {k: v for k, v in fam.items() if v[0] is not None}
+            worst = min(known, key=lambda k: (known[k][0].value, k)) if known else format_pattern(pattern)
+            mine = [r for r in rows if r["method"] == head]
+            per_token = [b for r in mine for b in r["extra"]["bytes_per_token"]]
+            decode_s = sum(r["extra"]["decode_s"] for r in mine)
+            nll = nlls[keep]
+            ppl = stats.perplexity([t.nll for t in nll], [t.tokens for t in nll], seed=seed)
+
+            def r4(est: Any) -> Any:
+                return None if est is None else round(est.value, 4)
+
+            def ci4(est: Any) -> Any:
+                return None if est is None else [round(est.lo, 4), round(est.hi, 4)]
+
+            out_rows.append({
+                "keep": keep, "pattern": format_pattern(pattern),
+                "ppl": round(ppl.value, 4), "ppl_ci": [round(ppl.lo, 4), round(ppl.hi, 4)],
+                "score": r4(score), "score_ci": ci4(score),
+                "kv_bytes_per_token": round(sum(per_token) / len(per_token), 2),
+                "peak_bytes": max(r["extra"]["peak_bytes"] for r in mine),
+                "decode_tok_s": round(sum(r["extra"]["new_tokens"] for r in mine) / decode_s, 1) if decode_s else 0.0,
+                "items": items, "tasks": solved, "excluded_tasks": dict(pool["excluded_tasks"]),
+                "cells": order, "all_items": all_items,  # every cell, so two models pair on the cells both solve
+                "text_nll": [[round(t.nll, 5), t.tokens] for t in nll], "family": how,
+                "family_patterns": {k: {"score": r4(est), "score_ci": ci4(est), "items": its, "all_items": every}
+                                    for k, (est, its, every) in fam.items()},
+                "mean_score": round(sum(v[0].value for v in known.values()) / len(known), 4) if known else None,
+                "worst_score": r4(known[worst][0]) if known else None,
+                "worst_score_ci": ci4(known[worst][0]) if known else None, "worst_pattern": worst})
+        return {"model": str(model_dir), "n": n, "seed": seed, "tasks": list(tasks), "lengths": list(lengths),
+                "ppl_texts": ppl_texts, "ppl_length": ppl_length, "results": out_rows}
+
+    from kvstate.lab.cli_output import check_results_out, write_results
+
+    if out is not None:  # the ledger and the output file before any work
+        check_results_out(out, overwrite=overwrite)
+        ex.preflight(out, ex.recorder(e).finish())
+    for keep, pattern, _, _ in plans:  # perplexity of each keep's headline pattern (full forward, same texts)
+        with apply_sharing(model, pattern):
+            nlls[keep] = [continuation_nll(model, ids) for ids in texts]
+    doc = ex.run(e, measure, progress=progress)  # the loop's rows, pooled scores and provenance; nothing written
+    prov = doc.pop("provenance")
+    doc.update(summarize(doc["rows"], doc["pooled"]))  # the depth view of the same rows beside them
+    if out is not None:
+        write_results(out, doc, prov, overwrite=overwrite)
+    return {**doc, "provenance": prov}
 
 
 __all__ = ["SCORE_LENGTHS", "SCORE_TASKS", "evaluate_sharing", "family_plan"]

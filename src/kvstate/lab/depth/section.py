@@ -89,12 +89,33 @@ def _ppl_vs(a: dict[str, Any], b: dict[str, Any]) -> stats.Estimate | None:
     return stats.paired_perplexity_ratio(na, ka, nb, kb) if ka == kb else None
 
 
+def _common_items(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[float], list[float]] | None:
+    """Both rows' items on the (task, length) cells both their full caches solve, when both keep every cell."""
+    cells, ca, cb = a.get("cells"), a.get("all_items"), b.get("all_items")
+    if not cells or ca is None or cb is None or cells != b.get("cells") or len(ca) != len(cb) or len(ca) % len(cells):
+        return None
+    common, per = set(a.get("tasks") or ()) & set(b.get("tasks") or ()), len(ca) // len(cells)
+    keep = [i for i, c in enumerate(cells) if c in common]
+    return [x for i in keep for x in ca[i * per:(i + 1) * per]], [x for i in keep for x in cb[i * per:(i + 1) * per]]
+
+
 def _score_vs(a: dict[str, Any], b: dict[str, Any], factor: float = 1.0) -> stats.Estimate | None:
-    """Mean of ``a_i - factor * b_i`` over the same items (paired), when both rows keep per-item scores."""
-    ia, ib = a.get("items"), b.get("items")
+    """Mean of ``a_i - factor * b_i`` over the same items (paired), when both rows keep per-item scores: the cells
+    both full caches solve where the rows keep every cell (experiment-loop runs), else all items."""
+    both = _common_items(a, b)
+    ia, ib = both if both is not None else (a.get("items"), b.get("items"))
     if not ia or not ib or len(ia) != len(ib) or a.get("seed") != b.get("seed"):  # other items: no pairing
         return None
     return stats.paired_difference(ia, [factor * x for x in ib])
+
+
+def _f3(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def _drop(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """``score(a) - score(b) > 0.03``; None when either pools nothing."""
+    return None if a["score"] is None or b["score"] is None else a["score"] - b["score"] > 0.03
 
 
 def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) -> list[HeadlineRow]:
@@ -128,8 +149,10 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
                   what: str) -> None:
         """A target ``score(a) >= factor * score(b)``: paired over items when possible."""
         est = _score_vs(a, b, factor)
-        shown = f"{a['score']:.3f} vs {factor:g} x {b['score']:.3f}"
-        if est is not None:
+        shown = f"{_f3(a['score'])} vs {factor:g} x {_f3(b['score'])}"
+        if a["score"] is None or b["score"] is None:
+            add(target, f"{what}: {shown} (a full cache solves no cell: nothing pooled)", None, names)
+        elif est is not None:
             add(target, f"{100 * est.value:+.1f} points [{100 * est.lo:+.1f}, {100 * est.hi:+.1f}] ({what}: {shown}, "
                 f"n = {est.n}, paired)", None, names, ci=(est.lo, est.hi), status=stats.decide(est.lo, est.hi, 0.0))
         else:
@@ -149,7 +172,7 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     else:
         add("R-CLA keep 0.5 >= the equal-KV dense baseline (score and ppl, paired)", "missing eval files", None,
             (RCLA, KV1))
-    if r5 and "worst_score" in r5:  # the declared family at keep 0.5: every pattern scored, the worst decides
+    if r5 and r5.get("worst_score") is not None:  # the declared family at keep 0.5: the worst pattern decides
         fam = r5.get("family_patterns") or {}
         worst = fam.get(r5["worst_pattern"], {})
         lo, hi = r5["worst_score_ci"]
@@ -161,15 +184,18 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
             f"{len(fam)}: {', '.join(fam)}", len(fam) >= 2, (RCLA,))
         if k1 and worst.get("items"):
             score_row("R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)",
-                      {**r5, "score": r5["worst_score"], "items": [x + 0.03 for x in worst["items"]]}, k1, 1.0,
+                      {**r5, "score": r5["worst_score"], "items": [x + 0.03 for x in worst["items"]],
+                       "all_items": [x + 0.03 for x in worst.get("all_items", [])] if "all_items" in worst else None},
+                      k1, 1.0,
                       (RCLA, KV1), f"worst pattern {r5['worst_pattern']} + 0.03 vs 1-KV-head model")
         c1_ = _at(ctl, keep=1.0) if ctl else None
         if c1_:
             ppl_row("R-CLA keep 0.5 perplexity <= 1.03 x the no-routing control's keep 1 (paired)", r5, c1_, 0.03,
                     (RCLA, CONTROL), "R-CLA keep 0.5 vs control keep 1")
     elif r5:  # an evaluation from before families were scored: the worst-pattern targets are not measured
-        missing = Artifact(f"models/{RCLA}/{EVAL_FILE}", eval_command(RCLA), "missing",
-                           "its newest run scored no declared family (no worst_score)", None, 0)
+        why = "its full cache solves no cell: nothing pooled" if "worst_score" in r5 else \
+            "its newest run scored no declared family (no worst_score)"
+        missing = Artifact(f"models/{RCLA}/{EVAL_FILE}", eval_command(RCLA), "missing", why, None, 0)
         for target in ("R-CLA keep 0.5: needle >= 0.90 on the worst pattern of its declared family",
                        "R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)"):
             rows.append(artifact_row(missing, TECH, target, ""))
@@ -180,14 +206,15 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
         add("R-CLA keep 0.5 vs keep 1.0 (0.9x score, 1.03x ppl)", f"no {RCLA}/{EVAL_FILE}", None, (RCLA,))
     c1 = _at(ctl, keep=1.0) if ctl else None
     if r1 and c1:
-        inside = [c1[f"{k}_ci"][0] <= r1[k] <= c1[f"{k}_ci"][1] for k in ("ppl", "score")]
+        inside = [c1[f"{k}_ci"] is not None and r1[k] is not None and c1[f"{k}_ci"][0] <= r1[k] <= c1[f"{k}_ci"][1]
+                  for k in ("ppl", "score")]
         ep, es = _ppl_vs(r1, c1), _score_vs(r1, c1)
         paired = "" if ep is None or es is None else (
             f"; paired R-CLA − control: ppl {ep.value:+.1%} [{ep.lo:+.1%}, {ep.hi:+.1%}] over {ep.n} texts, score "
             f"{100 * es.value:+.1f} points [{100 * es.lo:+.1f}, {100 * es.hi:+.1f}] over {es.n} items")
         add("R-CLA keep 1 within the no-routing control's interval (ppl and score)",
             f"ppl {r1['ppl']:.3f} vs {c1['ppl']:.3f} [{c1['ppl_ci'][0]:.3f}, {c1['ppl_ci'][1]:.3f}]; score "
-            f"{r1['score']:.3f} vs {c1['score']:.3f} [{c1['score_ci'][0]:.3f}, {c1['score_ci'][1]:.3f}]{paired}",
+            f"{_f3(r1['score'])} vs {_f3(c1['score'])} {c1['score_ci'] or '(nothing pooled)'}{paired}",
             all(inside), (RCLA, CONTROL))
     else:
         add("R-CLA keep 1 within the no-routing control's interval", "missing eval files", None, (RCLA, CONTROL))
@@ -195,8 +222,8 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     if b1 and b5:
         d = b5["ppl"] / b1["ppl"] - 1
         add("post-hoc sharing of the base model measurably worse at keep <= 0.5",
-            f"keep 0.5: ppl {d:+.0%} ({b5['ppl']:.1f} vs {b1['ppl']:.2f}), score {b5['score']:.3f} vs {b1['score']:.3f}",
-            d > 0.03 or b1["score"] - b5["score"] > 0.03, (BASE,))
+            f"keep 0.5: ppl {d:+.0%} ({b5['ppl']:.1f} vs {b1['ppl']:.2f}), score {_f3(b5['score'])} vs "
+            f"{_f3(b1['score'])}", d > 0.03 or bool(_drop(b1, b5)), (BASE,))
     else:
         add("post-hoc sharing of the base model measurably worse at keep <= 0.5", "missing eval file", None, (BASE,))
     rs, ss = (_at(rc, pattern=CLA2) if rc else None), (_at(spec, pattern=CLA2) if spec else None)
@@ -209,8 +236,8 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     if ss and s25:
         d = s25["ppl"] / ss["ppl"] - 1
         add("the CLA2 specialist degrades off its pattern (keep 0.25)",
-            f"{s25['pattern']}: ppl {d:+.0%} ({s25['ppl']:.2f} vs {ss['ppl']:.2f}), score {s25['score']:.3f} vs "
-            f"{ss['score']:.3f}", d > 0.03 or ss["score"] - s25["score"] > 0.03, (SPECIALIST,))
+            f"{s25['pattern']}: ppl {d:+.0%} ({s25['ppl']:.2f} vs {ss['ppl']:.2f}), score {_f3(s25['score'])} vs "
+            f"{_f3(ss['score'])}", d > 0.03 or bool(_drop(ss, s25)), (SPECIALIST,))
     exact = [abs(r["kv_bytes_per_token"] - r["keep"] * _at(rows_, keep=1.0)["kv_bytes_per_token"]) < 1e-6
              for rows_ in res.values() if _at(rows_, keep=1.0) for r in rows_]
     if exact:
@@ -219,15 +246,16 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     return rows
 
 
-# per model: the test seed of its newest decode run and extra flags (KV1's layers were trained at p = 1, so its
-# sharing patterns are measured post hoc)
-DECODE_RUNS = {RCLA: (1028, ""), KV1: (1028, " --post-hoc")}
+# per model: the test seed of its newest decode run, the kept fractions and extra flags (KV1's layers were trained
+# at p = 1, so its sharing patterns are measured post hoc; R-CLA's layers 0 and 2 were never routed, so keep 0.25
+# is outside its family, as in its eval)
+DECODE_RUNS = {RCLA: (1028, "1,0.75,0.5", ""), KV1: (1028, "1,0.75,0.5,0.25", " --post-hoc")}
 
 
 def decode_command(name: str) -> str:
     """The command that regenerates ``models/<name>/depth_decode.json``."""
-    seed, extra = DECODE_RUNS.get(name, (1000, ""))
-    return (f"kvstate depth decode --model models/{name} --keep 1,0.75,0.5,0.25 --context 2K --new-tokens 32 "
+    seed, keeps, extra = DECODE_RUNS.get(name, (1000, "1,0.75,0.5,0.25", ""))
+    return (f"kvstate depth decode --model models/{name} --keep {keeps} --context 2K --new-tokens 32 "
             f"--repeats 5 --seed {seed}{extra} --json --out models/{name}/{DECODE_FILE}")
 
 
@@ -281,15 +309,16 @@ def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
     for name, rows in res.items():
         if name == KV1:  # the equal-KV baseline is one point: the model at its own (halved) KV size
             rows = [r for r in rows if r["keep"] == 1.0]
-        xs = [r["kv_bytes_per_token"] for r in rows]
         style = {"marker": "*", "markersize": 12, "linestyle": "none"} if name == KV1 else {"marker": "o"}
         for ax, key in zip(axes, ("score", "ppl"), strict=True):
-            ys = [r[key] for r in rows]
-            err = [[max(y - r[f"{key}_ci"][0], 0) for y, r in zip(ys, rows, strict=True)],
-                   [max(r[f"{key}_ci"][1] - y, 0) for y, r in zip(ys, rows, strict=True)]] \
-                if all(r.get(f"{key}_ci") for r in rows) else None
+            shown = [r for r in rows if r[key] is not None]  # a model whose full cache solves no cell: no score
+            xs = [r["kv_bytes_per_token"] for r in shown]
+            ys = [r[key] for r in shown]
+            err = [[max(y - r[f"{key}_ci"][0], 0) for y, r in zip(ys, shown, strict=True)],
+                   [max(r[f"{key}_ci"][1] - y, 0) for y, r in zip(ys, shown, strict=True)]] \
+                if all(r.get(f"{key}_ci") for r in shown) else None
             ax.errorbar(xs, ys, yerr=err, capsize=3, color=COLORS[name], label=LABELS[name], **style)
-    axes[0].set_ylabel("task score (needle tasks, 1K+2K)")
+    axes[0].set_ylabel("task score (needle cells the full cache solves)")
     axes[1].set_ylabel("perplexity (held-out text, 1K)")
     axes[1].set_yscale("log")
     for ax in axes:
@@ -462,10 +491,12 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                        headline=[artifact_row(missing, TECH, "R-CLA targets", "")])
     def ci(r: dict[str, Any], key: str, fmt: str) -> str:
         lo_hi = r.get(f"{key}_ci")
+        if r[key] is None:
+            return "— (nothing pooled)"
         return f"{r[key]:{fmt}} [{lo_hi[0]:{fmt}}, {lo_hi[1]:{fmt}}]" if lo_hi else f"{r[key]:{fmt}}"
 
     def worst(r: dict[str, Any]) -> str:
-        if "worst_score" not in r:
+        if r.get("worst_score") is None:
             return "—"
         fam = r.get("family_patterns") or {}
         return f"{r['worst_score']:.3f} ({r['worst_pattern']}; mean {r['mean_score']:.3f} of {len(fam)})"
