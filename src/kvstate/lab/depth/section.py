@@ -249,7 +249,7 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
 # per model: the test seed of its newest decode run, the kept fractions and extra flags (KV1's layers were trained
 # at p = 1, so its sharing patterns are measured post hoc; R-CLA's layers 0 and 2 were never routed, so keep 0.25
 # is outside its family, as in its eval)
-DECODE_RUNS = {RCLA: (1028, "1,0.75,0.5", ""), KV1: (1028, "1,0.75,0.5,0.25", " --post-hoc")}
+DECODE_RUNS = {RCLA: (1028, "1,0.75,0.5", ""), KV1: (1038, "1,0.75,0.5,0.25", " --post-hoc")}
 
 
 def decode_command(name: str) -> str:
