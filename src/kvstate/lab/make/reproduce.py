@@ -18,10 +18,10 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -41,6 +41,7 @@ class Job:
     artifact: str  # repository-relative result file the command appends to
     command: str  # shell command, run from the repository root
     estimate_s: float  # rough wall seconds (2-core machine, one thread) used until a run is recorded
+    select: Callable[[dict[str, Any]], bool] | None = None  # which run of a shared file is this job's (default newest)
 
 
 def _depth(name: str) -> Job:
@@ -96,18 +97,24 @@ def jobs() -> list[Job]:
 
 def _transfer(pair: Pair, bench_file: str, ttft_file: str) -> list[Job]:
     """A pair's bench and TTFT jobs (a pair whose codec is not trained yet has none; the near-aligned pair always)."""
+    from kvstate.lab.transfer.section import options_run, scd_run
+
     suffix = "" if pair.label == "near-aligned" else f"-{pair.label}"
     return [
         # a partial run here: 141 of 1,421 items in 459 s with the other core busy
-        Job(f"transfer:bench{suffix}", f"models/{pair.codec}/{bench_file}", pair.bench_command(), 4700.0),
+        Job(f"transfer:bench{suffix}", f"models/{pair.codec}/{bench_file}", pair.bench_command(), 4700.0,
+            select=scd_run),
         # shaped links need root (a network namespace); 3 rates x 1K / 4K / 8K x 5 repeats x 7 methods + oracle,
         # cold and warm: estimated from a 1-rate 1K 3-repeat run here (2 min), prefill growing with length
         Job(f"transfer:ttft{suffix}", f"models/{pair.codec}/{ttft_file}", pair.ttft_command(), 2400.0),
+        # the selective-recompute quality run: ~12-21 min here (seeds 1007 / 1010)
+        Job(f"transfer:options{suffix}", f"models/{pair.codec}/{bench_file}", pair.options_command(), 1260.0,
+            select=options_run),
     ]
 
 
 def _estimate(job: Job) -> tuple[str, float]:
-    art = load_artifact(REPO / job.artifact, job.command)
+    art = load_artifact(REPO / job.artifact, job.command, select=job.select)
     recorded = art.provenance.get("wall_seconds") if art.run is not None else None
     return art.status, float(recorded) if isinstance(recorded, (int, float)) else job.estimate_s
 

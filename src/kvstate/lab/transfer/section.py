@@ -56,6 +56,11 @@ def has_method(run: dict[str, Any], name: str) -> bool:
     return name in {r.get("method") for r in run.get("results") or []}
 
 
+def options_run(run: dict[str, Any]) -> bool:
+    """A selective-recompute quality run (:meth:`Pair.options_command`)."""
+    return has_method(run, RECOMPUTE)
+
+
 def scd_run(run: dict[str, Any]) -> bool:
     """A run the SCD table and targets can read: SCD, raw and REUSE rows and held-out perplexity."""
     cfg = run.get("config") or {}
@@ -107,6 +112,16 @@ class Pair:
     pca_codec: str | None = None  # the producer-space PCA codec of the same pair: the reuse_pca_producer ablation
     bench_seed: int = 1001  # the test seed of the newest full SCD run (the ledger refuses a spent one)
     ttft_seed: int = 1001  # the test seed of the newest TTFT run
+    options_seed: int = 1001  # the test seed of the newest selective-recompute quality run (the options run)
+    options_cells: str = "--length 1024,2048 --n 50"  # its cells: 100 items per task on the solved ones
+
+    def options_command(self) -> str:
+        """The selective-recompute quality run (raw, DroidSpeak and recompute on the same items) the recompute
+        targets read: a bench run of its own, appended to the same file."""
+        return (f"kvstate transfer bench --producer models/{self.producer} --consumer models/{self.consumer} "
+                f"--codec models/{self.codec} --methods raw,droidspeak,{RECOMPUTE} {self.options_cells} "
+                f"--seed {self.options_seed} --ppl-n 0 --weak-n 0 --ablation-n 0 --no-budget "
+                f"--out models/{self.codec}/{BENCH_FILE}")
 
     def bench_command(self) -> str:
         # 25 items x 4 needle tasks = 100 per length; the key-vs-value rank ablation on 13 x 4 = 52 items per point
@@ -125,8 +140,10 @@ class Pair:
 # the default pair first: a consumer fine-tuned far enough that raw producer KV hurts it; then the nearly
 # aligned control (raw reuse barely moves it). A pair whose codec directory is absent is listed, not read.
 SHIFTED = Pair("shifted", "ref-attn", "ref-attn-ft2", "codec-ref-attn-ft2", "codec-ref-attn-ft2-pca", bench_seed=1035,
-               ttft_seed=1037)
-NEAR_ALIGNED = Pair("near-aligned", "ref-attn", "ref-attn-ft", "codec-ref-attn-ft", bench_seed=1024, ttft_seed=1036)
+               ttft_seed=1037, options_seed=1040)
+# its oracle solves niah_single at 1K only: the options run puts its 100 items there
+NEAR_ALIGNED = Pair("near-aligned", "ref-attn", "ref-attn-ft", "codec-ref-attn-ft", bench_seed=1024, ttft_seed=1036,
+                    options_seed=1041, options_cells="--length 1024 --n 100")
 PAIRS = (SHIFTED, NEAR_ALIGNED)
 CODEC, COMMAND = SHIFTED.codec, SHIFTED.bench_command()  # the default pair
 
@@ -630,7 +647,7 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
                              "yet (train the consumer, then `kvstate transfer calibrate`); not shown")
             continue
         art = load_artifact(root / BENCH_FILE, pair.bench_command(), select=scd_run)
-        options = load_artifact(root / BENCH_FILE, pair.bench_command(), select=lambda run: has_method(run, RECOMPUTE))
+        options = load_artifact(root / BENCH_FILE, pair.options_command(), select=options_run)
         if options.run is not None:
             rows, table = recompute_targets(options.run, options, pair.label)
             headline += rows
