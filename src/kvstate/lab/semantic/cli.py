@@ -63,7 +63,8 @@ def default_router_dir(model: Path) -> Path:
 
 
 # the source a semantic evaluation depends on: a change here makes committed eval.json files stale
-EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/protocol.py", "lab/semantic/methods",
+EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/evaluate.py", "lab/semantic/protocol.py",
+             "lab/semantic/methods",
              "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
              "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py")
 DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sekv_learned,sentencekv,quest,streaming,kivi,kvpress"
@@ -128,11 +129,12 @@ def eval_command(
         table_console,
         write_results,
     )
+    from kvstate.lab.experiment import preflight, recorder
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.journal import open_journal
     from kvstate.lab.lists import parse_floats, parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
-    from kvstate.lab.provenance import Recorder
+    from kvstate.lab.semantic import evaluate as evaluation
     from kvstate.lab.semantic import methods as registry
     from kvstate.lab.semantic.bench import (
         SekvOptions,
@@ -178,11 +180,16 @@ def eval_command(
         check_results_out(save, overwrite=overwrite)
     config = load_config(model)  # the config alone: lengths are checked before the weights are read
     check_lengths_fit(config, [L + (CONTINUATION if PPL in tasks else 0) for L in lengths])
-    rec = Recorder(code=EVAL_CODE, models=[model, *([router] if router is not None else [])], n=n, seeds=[seed],
-                   tasks=tasks, lengths=lengths,
-                   settings={"budgets": budgets, "methods": chosen, "threads": threads, "recent": recent,
-                             "max_span": max_span, "expand_share": expand_share, "slow_budget": slow_budget,
-                             "memory": memory, "slow": slow, "bits": bits})
+    runs = [(m, b) for m in selection.methods for b in registry.get(m).budgets(budgets)]
+    # the experiment as asked: its provenance is the run's, and the seed ledger is checked before any weight is read
+    planned = evaluation.plan(
+        runs, selection.external, budgets, tasks, lengths, n, seed, [model, *([router] if router is not None else [])],
+        {"budgets": budgets, "threads": threads, "recent": recent, "max_span": max_span,
+         "expand_share": expand_share, "slow_budget": slow_budget, "memory": memory, "slow": slow, "bits": bits},
+        EVAL_CODE)
+    rec = recorder(planned)
+    if save is not None:
+        preflight(save, rec.finish())
     base, tok = load_reference(model)
     rdir = router if router is not None else default_router_dir(model)
     if (rdir / "router.safetensors").is_file():
@@ -196,7 +203,6 @@ def eval_command(
         console.print(f"[yellow]no router at {rdir}; SEKV runs with an untrained router[/]")
     items = [it for t in tasks for L in lengths for it in build_items(tok, t, L, n, seed)]
     outcomes, not_run, slow_log = [], [], []
-    runs = [(m, b) for m in selection.methods for b in registry.get(m).budgets(budgets)]
     # a recorded run is resumable: finished items are journaled beside the result file
     journal = open_journal(save, {
         "model": str(model), "router": router_note, "runs": runs, "presses": presses, "tasks": tasks,
@@ -224,7 +230,11 @@ def eval_command(
         outcomes += got
         not_run += failed
     rows = summarise(outcomes)
-    result = {"model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes),
+    values = evaluation.item_values(outcomes)
+    loop = evaluation.measured(planned, values, runs)  # the question tasks through the experiment loop
+    result = {**(evaluation.run_loop(loop, values) if loop is not None else
+                 {"experiment": None, "rows": [], "pooled": None, "decisions": []}),
+              "model": str(model), "router": router_note, "results": rows, "cells": cells(outcomes),
               "not_run": not_run, "slow_tier": slow_summary(slow_log), **external}
     table = Table(title="compress the context, then ask (bytes / full KV)")
     for c in ("method", "budget", "task", "length", "n", "score", "95% CI", "resident", "total", "attended peak",
