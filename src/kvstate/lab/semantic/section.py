@@ -38,15 +38,15 @@ CONTROL = "window"  # the hybrid's window-only control (a registered baseline)
 BYTES = ("resident_bytes", "total_bytes", "attended_bytes_peak", "full_bytes")
 
 EVAL_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25,0.125 "
-                "--slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1029 "
+                "--slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1042 "
                 "--methods full,sekv,sekv_summaries,sekv_learned,sentencekv,quest,streaming,kivi,ExpectedAttentionPress,"
                 "SnapKVPress --recent 16 --max-span 32 --expand-share 0.6 --json --out models/ref-attn-sekv/eval.json")
 SWEEP_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.125 --slow quant "
-                 "--bits 4 --task ppl --length 1024 --n 200 --seed 1033 --methods full,sekv,quest,streaming --recent 16 "
+                 "--bits 4 --task ppl --length 1024 --n 200 --seed 1043 --methods full,sekv,quest,streaming --recent 16 "
                  "--max-span 32 --expand-share 0.5 --json --out models/ref-attn-sekv/eval_sweep.json")
 HYBRID_COMMAND = ("kvstate semantic eval --model models/ref-hybrid --router models/ref-hybrid-sekv --budget 0.25,0.125 "
                   "--slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 1024,2048 --n 100 "
-                  "--seed 1034 --methods full,sekv,quest,streaming,window --recent 16 --max-span 32 --expand-share 0.5 "
+                  "--seed 1044 --methods full,sekv,quest,streaming,window --recent 16 --max-span 32 --expand-share 0.5 "
                   "--json --out models/ref-hybrid-sekv/eval.json")
 
 
@@ -206,14 +206,14 @@ def _headline(art: Any, run: dict[str, Any], rows: list[dict[str, Any]], solved:
 
 BOUNDS_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.125 "
                   "--memory 0.3 --slow quant --bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 "
-                  "--seed 1030 --methods full,sekv,quest,streaming,kivi --recent 16 --max-span 32 --expand-share 0.6 "
+                  "--seed 1045 --methods full,sekv,quest,streaming,kivi --recent 16 --max-span 32 --expand-share 0.6 "
                   "--json --out models/ref-attn-sekv/eval_bounds.json")
 MEMORY_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.0625 "
-                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1032 "
+                  "--memory 0.0625 --task niah_single,niah_multikey --length 4096 --n 100 --seed 1046 "
                   "--methods full,sekv_fresh,streaming,kivi,ExpectedAttentionPress,SnapKVPress --recent 16 "
                   "--max-span 128 --json --out models/ref-attn-sekv/eval_16x.json")
 FOUR_COMMAND = ("kvstate semantic eval --model models/ref-attn --router models/ref-attn-sekv --budget 0.25 --slow quant "
-                "--bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1031 "
+                "--bits 4 --task niah_single,niah_multikey,niah_4q --length 2048 --n 100 --seed 1047 "
                 "--methods full,sekv,quest --recent 16 --max-span 32 --expand-share 0.6 --json "
                 "--out models/ref-attn-sekv/eval_4x.json")
 DECODE_COMMAND = ("python -m kvstate.lab.semantic.timing --model models/ref-attn --router models/ref-attn-sekv "
