@@ -260,3 +260,43 @@ def test_generate_refuses_a_reply_that_is_not_utf8_in_one_line(pair_dirs: tuple[
     errors = [line for line in err.splitlines() if "error" in line.lower()]  # transformers' loading bar aside
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: ") and "malformed reply" in errors[0]
     assert "Traceback" not in err
+
+
+def test_the_bench_writes_the_experiment_loops_rows_beside_its_own(pair_dirs: tuple[Path, Path], codec_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    from kvstate.lab import experiment as X
+    from kvstate.transfer import methods as registry
+
+    p, c = pair_dirs
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec",
+                                   str(codec_dir), "--n", "2", "--length", "256", "--ppl-n", "0", "--weak-n", "0",
+                                   "--ablation-n", "0", "--no-budget", "--methods", "raw,kivi4", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    [run] = json.loads(out.read_text())["runs"]
+    assert run["experiment"]["axis"] == "across models" and run["experiment"]["methods"] == ["oracle", "raw", "kivi4"]
+    assert run["pooled"]["reference"] == "oracle" and run["experiment"]["n"] == 2
+    assert len(run["rows"]) == 3 * 4 and all(tuple(r) == X.ROW_KEYS and r["n"] == 2 for r in run["rows"])
+    # the loop's per-item values are the bench's own per-task items
+    by_task = {(r["method"], t): v["items"] for r in run["results"] for t, v in r["by_task"].items()}
+    assert all(r["values"] == by_task[(r["method"], r["task"])] for r in run["rows"])
+    # the provenance (so the seed ledger) names each method with its pair, as asked
+    oracle = next(m.name for m in registry.methods() if not m.ships_payload)
+    assert run["provenance"]["settings"]["methods"] == [f"{codec_dir.name}:{m}" for m in (oracle, "raw", "kivi4")]
+
+
+def test_a_bench_on_a_dev_seed_into_models_is_refused_before_the_weights_load(
+        pair_dirs: tuple[Path, Path], codec_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstate.lab import ledger as L
+
+    root = tmp_path / "models"
+    (root / "codec").mkdir(parents=True)
+    monkeypatch.setattr(L, "results_root", lambda: root)
+    loaded: list[object] = []
+    monkeypatch.setattr("kvstate.lab.harness.load_reference", lambda *a, **k: loaded.append(a))
+    p, c = pair_dirs
+    out = root / "codec" / "bench.json"
+    res = CliRunner().invoke(app, ["transfer", "bench", "--producer", str(p), "--consumer", str(c), "--codec",
+                                   str(codec_dir), "--n", "1", "--length", "256", "--seed", "5", "--out", str(out)])
+    assert isinstance(res.exception, L.SeedRefused) and "bench.json: --seed 5 is a dev seed" in str(res.exception)
+    assert loaded == [] and not out.exists()

@@ -21,6 +21,7 @@ Time to first token over a link is measured elsewhere (``ttft_ms`` / ``achieved_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -32,6 +33,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
+from kvstate.lab import experiment as xp
 from kvstate.lab import protocol, stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.journal import Journal, once
@@ -89,11 +91,32 @@ def profile_prompts(tokenizer: Any, ctx: MethodContext, n: int) -> list[torch.Te
     return calibration_prompts(tokenizer, CalibrationConfig(prefixes=max(4, n), length=512, seed=seed))[:n]
 
 
+def chosen_methods(cfg: BenchConfig) -> list[TransferMethod]:
+    """The registered methods a bench runs, in registry order: ``cfg.methods`` (all when empty) and the oracle."""
+    return [m for m in registry.methods() if not cfg.methods or m.name in cfg.methods or not m.ships_payload]
+
+
+def plan(cfg: BenchConfig, pair: str = "", code: Sequence[str] = (), models: Sequence[Any] = (),
+         settings: Mapping[str, Any] | None = None) -> xp.Experiment:
+    """The experiment a bench asks for, before any work: each registered method it runs (named ``PAIR:METHOD``,
+    so the seed ledger tells the producer / consumer pairs apart; ``pair`` is e.g. the codec directory's name),
+    the needle tasks x lengths with ``n`` items each, the oracle as the reference. Its recorder
+    (:func:`kvstate.lab.experiment.recorder`) is the run's provenance; :func:`run_bench` runs the same cells
+    through the loop under the bench's row names."""
+    chosen = chosen_methods(cfg)
+    name = (lambda m: f"{pair}:{m}") if pair else (lambda m: m)
+    oracle = next(m.name for m in chosen if not m.ships_payload)
+    return xp.Experiment(axis="across models", name="transfer-bench", methods=tuple(name(m.name) for m in chosen),
+                         seeds=(cfg.seed,), tasks=tuple(cfg.tasks), lengths=tuple(cfg.lengths), n=cfg.n,
+                         reference=name(oracle), code=tuple(code), models=tuple(str(m) for m in models),
+                         settings=dict(settings or {}))
+
+
 def bench_rows(producer: Any, consumer: Any, tokenizer: Any, ctx: MethodContext, cfg: BenchConfig,
                journal: Journal | None = None) -> tuple[dict[str, Row], dict[str, dict[str, Any]]]:
     """(row name -> (method, context), method -> {options, info} of its profiling), in table order; the
     oracle first whatever ``cfg.methods`` says (it is every row's reference)."""
-    chosen = [m for m in registry.methods() if not cfg.methods or m.name in cfg.methods or not m.ships_payload]
+    chosen = chosen_methods(cfg)
     prompts: list[torch.Tensor] | None = None
     rows: dict[str, Row] = {}
     profiles: dict[str, dict[str, Any]] = {}
@@ -163,8 +186,16 @@ def summarize(cells: Mapping[str, Mapping[str, Mapping[int, Sequence[float]]]], 
 
 def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: BenchConfig,
               tick: Callable[[str], None] | None = None, pca_codec: Codec | None = None,
-              journal: Journal | None = None, codec_dir: Any = None) -> dict[str, Any]:
+              journal: Journal | None = None, codec_dir: Any = None,
+              experiment: xp.Experiment | None = None) -> dict[str, Any]:
     """Every registered method's rows on the same prompts; returns the JSON of ``kvstate transfer bench``.
+
+    The prompts are measured prompt-major (one prompt under every row, so a journal unit is one prompt), then
+    the needle cells go through the lab's experiment loop (:func:`kvstate.lab.experiment.run`): ``experiment``
+    (:func:`plan`; default: ``plan(cfg)``) with the bench's row names as its methods and the oracle row as the
+    reference gives the document's ``experiment``, ``rows`` (the one row schema), ``pooled`` (over the
+    (task, length) cells the oracle solves) and ``decisions``, beside the bench's per-length ``results``. Weak
+    tasks, perplexity and the rank ablation are not pooled rates and stay in the bench's view.
 
     With a ``journal`` (:mod:`kvstate.lab.journal`) every finished unit — a method's profile, one prompt under
     every row, one held-out text, one rank-ablation pass — is recorded, and a unit already there is read back
@@ -206,6 +237,10 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
     ppl = _perplexities(producer, consumer, tokenizer, rows, cfg, tick, texts=ppl_texts, journal=journal)
     ppl_ci = _ppl_intervals(ppl_texts, cfg.seed)
     pooled = summarize(cells, reference, cfg.lengths, cfg.seed)
+    planned = experiment if experiment is not None else plan(cfg)
+    loop = xp.run(dataclasses.replace(planned, methods=tuple(names), reference=reference),
+                  lambda c: xp.Measurement([float(x) for x in cells[c.method][c.task][c.length]]))
+    loop.pop("provenance")  # the caller's recorder, started before any work, is the run's
     results = []
     for m in names:
         method, rctx = rows[m]
@@ -225,7 +260,7 @@ def run_bench(producer: Any, consumer: Any, tokenizer: Any, codec: Codec, cfg: B
     budget = sorted(({"k": len(layers), "method": m, "layers": list(layers)} for m, (meth, rctx) in rows.items()
                      if isinstance(meth, CodecMethod) and rctx.codec is codec
                      and (layers := meth.patch(rctx)) is not None), key=lambda b: b["k"])
-    out = {"results": results, "reference": reference, "solved_at": protocol.SOLVED_AT,
+    out = {**loop, "results": results, "reference": reference, "solved_at": protocol.SOLVED_AT,
            "fp16_raw_kv_bytes_per_token": kv_bytes_per_token(consumer.config, torch.float16),
            "patch_layers": list(codec.config.patch_layers), "patch_budget": budget,
            "method_options": {k: v["options"] for k, v in profiles.items()},

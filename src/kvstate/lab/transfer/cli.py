@@ -103,7 +103,8 @@ def calibrate_command(
 
 # the source a transfer bench depends on: a change here makes committed bench.json files stale
 BENCH_CODE = ("transfer", "models", "lab/transfer/bench.py", "lab/transfer/prompts.py", "lab/decode.py",
-              "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py", "lab/protocol.py", "lab/stats.py")
+              "lab/perplexity.py", "lab/scoring.py", "lab/workloads/tasks.py", "lab/protocol.py", "lab/stats.py",
+              "lab/experiment.py")
 
 
 @app.command("bench")
@@ -143,12 +144,12 @@ def bench_command(
     from dataclasses import asdict
 
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
+    from kvstate.lab.experiment import preflight, recorder
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit, load_reference
     from kvstate.lab.journal import open_journal
     from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.lab.progress import progress_bar
-    from kvstate.lab.provenance import Recorder
-    from kvstate.lab.transfer.bench import BenchConfig, run_bench
+    from kvstate.lab.transfer.bench import BenchConfig, plan, run_bench
     from kvstate.models.loading import load_config
     from kvstate.transfer import methods as registry
     from kvstate.transfer.codec import Codec
@@ -165,10 +166,13 @@ def bench_command(
     codec = Codec.load(codec_dir)  # a wrong --codec first: it names the fix
     check_lengths_fit(load_config(consumer), cfg.lengths)  # the configs alone: before reading the weights
     check_lengths_fit(load_config(producer), cfg.lengths)
-    rec = Recorder(code=BENCH_CODE, models=[producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])], n=n,
-                   seeds=[seed], tasks=cfg.tasks, lengths=cfg.lengths,
-                   settings={"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n, "budget_rows": budget_rows,
-                             "run_methods": list(chosen)})  # not "methods": the ledger keys this file by its path
+    # the experiment as asked (methods named CODEC:METHOD, so the seed ledger tells the pairs apart): its recorder
+    # is the run's provenance, and the ledger and --out are checked before any weight is read
+    planned = plan(cfg, codec_dir.name, BENCH_CODE, [producer, consumer, codec_dir, *([pca_codec] if pca_codec else [])],
+                   {"ppl_n": ppl_n, "weak_n": weak_n, "ablation_n": ablation_n, "budget_rows": budget_rows})
+    rec = recorder(planned)
+    if out is not None:
+        preflight(out, rec.finish())
     pca = Codec.load(pca_codec) if pca_codec is not None else None
     p, tok = load_reference(producer)
     c, _ = load_reference(consumer)
@@ -179,7 +183,7 @@ def bench_command(
     total = len(cfg.tasks) * len(cfg.lengths) * n + len(cfg.weak_tasks) * weak_n + ppl_n + (4 if ablation_n else 0)
     with progress_bar("bench", total, unit="ex") as bar:
         result = run_bench(p, c, tok, codec, cfg, tick=lambda s: (bar.note(s), bar.advance()), pca_codec=pca,
-                           journal=journal, codec_dir=codec_dir)
+                           journal=journal, codec_dir=codec_dir, experiment=planned)
     result.update(producer=str(producer), consumer=str(consumer), codec=str(codec_dir),
                   pca_codec=str(pca_codec) if pca_codec else None)
     prov = rec.finish() if journal is None else journal.stamp(rec.finish())
