@@ -385,7 +385,7 @@ def _ppl_target(models_dir: Path) -> list[Any]:
     ones = [1.0] * len(keys)  # every text scores the same number of continuation tokens: the mean log-ratio
     e = stats.paired_perplexity_ratio([mine[k] for k in keys], ones, [full[k] for k in keys], ones)
     beside = []
-    for m in ("streaming", "quest"):
+    for m in sorted({c["method"] for c in cells} - {FULL, SEKV}):  # every other method the run measured
         other = log_ppl(m)
         if set(keys) <= set(other):
             o = stats.paired_perplexity_ratio([other[k] for k in keys], ones, [full[k] for k in keys], ones)
