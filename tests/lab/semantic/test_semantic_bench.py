@@ -66,16 +66,6 @@ def _fake_kvpress(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tok = build_tokenizer()
-    model = tiny_model("qwen3", vocab_size=len(tok))
-    d = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d, model, tok
-
-
 def test_task_file_round_trip(tmp_path, model_dir):
     _, _, tok = model_dir
     items = build_items(tok, "niah_single", 128, 2, 0) + build_items(tok, MULTI_Q, 160, 1, 0)

@@ -13,18 +13,6 @@ from kvstate.lab import experiment as X
 from kvstate.lab import ledger as L
 from kvstate.lab.semantic import evaluate as E
 from kvstate.lab.semantic.protocol import MULTI_Q
-from kvstate.lab.workloads import build_tokenizer
-from kvstate.models.tiny import tiny_model
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tok = build_tokenizer()
-    model = tiny_model("qwen3", vocab_size=len(tok))
-    d = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def outcome(method, budget, task, index, score, question=0, length=256):
@@ -80,7 +68,7 @@ def test_a_perplexity_only_run_has_no_loop_rows_and_a_missing_reference_falls_ba
 
 def test_cli_writes_the_loop_rows_beside_the_bench_view(tmp_path, model_dir):
     out = tmp_path / "eval.json"
-    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(model_dir), "--task", f"niah_single,{MULTI_Q}",
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(model_dir[0]), "--task", f"niah_single,{MULTI_Q}",
                                  "--length", "128", "--n", "2", "--methods", "full,sekv,quest", "--budget", "0.9,0.02",
                                  "--recent", "8", "--max-span", "8", "--slow-budget", "0.6", "--out", str(out)])
     assert r.exit_code == 0, r.output
@@ -106,7 +94,7 @@ def test_a_dev_seed_into_models_is_refused_before_the_weights_load(tmp_path, mod
     loaded = []
     monkeypatch.setattr("kvstate.lab.harness.load_reference", lambda *a, **k: loaded.append(a))
     out = root / "m-sekv" / "eval.json"
-    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(model_dir), "--length", "128", "--n", "1",
+    r = CliRunner().invoke(app, ["semantic", "eval", "--model", str(model_dir[0]), "--length", "128", "--n", "1",
                                  "--methods", "full,sekv", "--budget", "0.5", "--seed", "3", "--out", str(out)])
     assert isinstance(r.exception, L.SeedRefused) and "eval.json: --seed 3 is a dev seed" in str(r.exception)
     assert loaded == [] and not out.exists()
