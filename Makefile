@@ -1,5 +1,6 @@
 # Fresh-machine entry points: `make demo` (set up + report) and `make test` (set up + tests).
-# torch is pinned to the local CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+# Every Python environment is built only from its committed lock (locks/NAME.txt, exact versions + hashes;
+# torch is the local CPU wheel: an unpinned torch pulls a multi-GB CUDA build). `make lock` recompiles them.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,28 +9,36 @@ OUT ?= report
 # pure modules (no torch): mypy --strict
 PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py hashing.py) src/kvstate/serve/policy.py src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/depth/registry.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py
 
-.PHONY: setup demo test lint bench reproduce clean clients
+.PHONY: setup demo test lint bench reproduce clean clients lock canary
 
-$(STAMP): pyproject.toml
+LOCKS = $(PY) src/kvstate/lab/locks.py
+
+$(STAMP): pyproject.toml locks/main.in locks/main.txt
+	@$(LOCKS) check main
 	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
 		|| echo "warning: Chromium not installed; the report's browser test will fail (apt-get install -y chromium)"
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	command -v redis-server >/dev/null 2>&1 || { S=$$(test "$$(id -u)" -eq 0 || echo sudo); \
 		$$S apt-get update -qq && $$S apt-get install -y -qq redis-server; }
 	command -v tc >/dev/null 2>&1 || { S=$$(test "$$(id -u)" -eq 0 || echo sudo); \
 		$$S apt-get update -qq && $$S apt-get install -y -qq iproute2; } \
 		|| echo "warning: iproute2 not installed; the shaped-link TTFT tests will skip"
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(LOCKS) install main
 	touch $(STAMP)
 
 # kvpress (the SEKV bench's press baselines) in its own environment: it pins transformers<5.3 and patches attention
 KVPRESS := .venv-kvpress/.installed
-MAKE_KVPRESS := $(BIN)/python -c "from pathlib import Path; from kvstate.lab.semantic.baselines_kvpress import ensure_env; ensure_env(Path('.venv-kvpress'))"
-$(KVPRESS): $(STAMP) src/kvstate/lab/semantic/baselines_kvpress.py
-	$(MAKE_KVPRESS) || { rm -rf .venv-kvpress && $(MAKE_KVPRESS); }
+$(KVPRESS): locks/kvpress.in locks/kvpress.txt
+	$(LOCKS) install kvpress
 	touch $(KVPRESS)
+
+# recompile every lock (locks/*.txt) from locks/*.in and pyproject.toml with uv (installed into .venv-lock)
+lock:
+	$(LOCKS) compile
+
+# the next release, before it reaches anyone: a throwaway env with the newest transformers 5.x the registry serves,
+# the exactness and integration subset, versions and per-test results appended to docs/results/compat.json
+canary: $(STAMP)
+	$(BIN)/python -m kvstate.lab.canary
 
 setup: $(STAMP)
 
@@ -51,18 +60,14 @@ reproduce: $(STAMP) $(KVPRESS)
 	OMP_NUM_THREADS=1 $(BIN)/kvstate lab reproduce
 
 # the standard load clients the serving benchmarks drive, each in its own environment (never a library dependency):
-# GuideLLM (Python 3.11) and inference-perf (needs Python >= 3.12: python3.12 on PATH or pyenv's)
-PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d /root/.pyenv/versions/3.12*/bin/python 2>/dev/null | tail -1)
+# GuideLLM (Python 3.11) and inference-perf (needs Python >= 3.12: python3.12 on PATH or pyenv's), each from its lock
 clients: .venv-guidellm/.installed .venv-infperf/.installed
-.venv-guidellm/.installed:
-	test -x .venv-guidellm/bin/python || $(PY) -m venv .venv-guidellm
-	.venv-guidellm/bin/pip install -q 'guidellm>=0.3'
+.venv-guidellm/.installed: locks/guidellm.in locks/guidellm.txt
+	$(LOCKS) install guidellm
 	touch $@
-.venv-infperf/.installed:
-	@test -n "$(PY312)" || { echo "inference-perf needs Python >= 3.12: install python3.12 or pass PY312=/path/to/python3.12"; exit 2; }
-	test -x .venv-infperf/bin/python || $(PY312) -m venv .venv-infperf
-	.venv-infperf/bin/pip install -q 'inference-perf>=0.7'
+.venv-infperf/.installed: locks/infperf.in locks/infperf.txt
+	$(LOCKS) install infperf
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(OUT) .pytest_cache
+	rm -rf $(VENV) .venv-kvpress .venv-lock .venv-canary $(OUT) .pytest_cache

@@ -31,12 +31,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvstate.depth.patterns import LayerSpec, SharingPattern
 from kvstate.errors import UnsupportedModelError
+from kvstate.models.compat import ALL_ATTENTION_FUNCTIONS, attn_implementation, family_function
 from kvstate.models.families import LayerKind, layer_kinds, text_config
-from kvstate.models.rotary import family_module, rotate, rotate_qk
+from kvstate.models.rotary import rotate, rotate_qk
 
 # attention class -> whether it normalises q and k per head (Qwen3) before RoPE
 SUPPORTED = {"Qwen3Attention": True, "LlamaAttention": False, "Qwen2Attention": False, "MistralAttention": False}
@@ -100,7 +100,6 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
     if router.route is None:
         raise RuntimeError("kvstate.depth: attention ran outside a routed decoder forward")
     src = router.route.sources[layer]
-    mod = family_module(self)
     qk_norm = SUPPORTED[type(self).__name__]
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -124,7 +123,8 @@ def _routed_forward(self: Any, hidden_states: torch.Tensor, position_embeddings:
     else:
         q = rotate(self, q, cos, sin)  # RoPE on queries only
         k, v = router.kv[src]  # the owner ran earlier in this pass (patterns only point backwards)
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, mod.eager_attention_forward)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attn_implementation(self.config),
+                                                  family_function(self, "eager_attention_forward"))
     out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
                              scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()  # (B, T, H * D)

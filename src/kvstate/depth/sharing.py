@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer
 
 from kvstate.depth.attention import Router, layer_specs, routed
 from kvstate.depth.patterns import SharingPattern
 from kvstate.depth.patterns import kv_bytes as _kv_bytes
 from kvstate.models.accounting import model_dtype
+from kvstate.models.compat import DummyLayer
 from kvstate.models.families import text_config
 
 _MISSING = object()

@@ -8,8 +8,6 @@ at a chunk boundary — sparse prefix caching). Anything not listed here raises 
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -101,22 +99,20 @@ def chunk_size(config: Any) -> int | None:
     """Chunk length of the model's torch-fallback chunked scan; None for attention-only models.
 
     Gated DeltaNet has no config field: the chunk length is the default argument of the modeling
-    module's `torch_chunk_gated_delta_rule` (64 in transformers 5.24), read from the code that runs.
+    module's `torch_chunk_gated_delta_rule` (64 in transformers 5.24 / 5.25), read behind its kernel wrappers
+    from the function that runs (:func:`kvstate.models.compat.gated_deltanet_chunk_size`).
     """
     family = family_of(config)
     tc = text_config(config)
     if family.recurrent is None:
         return None
     if family.recurrent is RecurrentKind.GATED_DELTANET:
-        module = importlib.import_module(f"transformers.models.{_module_dir(tc.model_type)}.modeling_{_module_dir(tc.model_type)}")
-        default = inspect.signature(module.torch_chunk_gated_delta_rule).parameters["chunk_size"].default
-        return int(default)
+        from kvstate.models.compat import gated_deltanet_chunk_size
+
+        return gated_deltanet_chunk_size(tc.model_type)
     for field in ("mamba_chunk_size", "chunk_size"):
         value = getattr(tc, field, None)
         if isinstance(value, int) and value > 0:
             return value
     raise UnsupportedModelError(f"{family.name} config has no chunk size field (mamba_chunk_size / chunk_size).")
 
-
-def _module_dir(model_type: str) -> str:
-    return "qwen3_5" if model_type == "qwen3_5_text" else model_type

@@ -20,10 +20,10 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvstate.errors import ModelConfigError, ModelLoadError
 from kvstate.integrity import check_safetensors_header, verify_manifest
+from kvstate.models.compat import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from kvstate.models.config_check import check_config, check_raw_config
 from kvstate.models.families import family_of, text_config
 

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 from kvstate.errors import KVStateError
+from kvstate.models.compat import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
 
 class ResumableCache(DynamicCache):

@@ -10,16 +10,11 @@ uses. Ignored: interleaved-pair (GPT-J style) families, which no supported model
 
 from __future__ import annotations
 
-import sys
-from types import ModuleType
 from typing import Any
 
 import torch
 
-
-def family_module(obj: Any) -> ModuleType:
-    """The transformers modeling module that defines ``obj``'s class (a model or one of its layers)."""
-    return sys.modules[type(obj).__module__]
+from kvstate.models.compat import family_function, family_module
 
 
 def rotary_tables(model: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,14 +27,14 @@ def rotary_tables(model: Any, positions: torch.Tensor) -> tuple[torch.Tensor, to
 def rotate(owner: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_axis: int = 1) -> torch.Tensor:
     """``x`` rotated by ``cos`` / ``sin`` with the family's ``rotate_half``; the tables gain a head axis at
     ``head_axis`` ((B, H, T, D) with (B, T, D) tables, or (T, H, D) with (T, D) tables: ``head_axis=1``)."""
-    return x * cos.unsqueeze(head_axis) + family_module(owner).rotate_half(x) * sin.unsqueeze(head_axis)
+    return x * cos.unsqueeze(head_axis) + family_function(owner, "rotate_half")(x) * sin.unsqueeze(head_axis)
 
 
 def rotate_qk(attn: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys (B, H, T, D) rotated as ``attn``'s own forward does (its family's
     ``apply_rotary_pos_emb``)."""
-    q2, k2 = family_module(attn).apply_rotary_pos_emb(q, k, cos, sin)
+    q2, k2 = family_function(attn, "apply_rotary_pos_emb")(q, k, cos, sin)
     return q2, k2
 
 

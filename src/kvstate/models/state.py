@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 
 from kvstate.errors import KVStateError
+from kvstate.models.compat import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
 from kvstate.models.families import LayerKind, layer_kinds
 from kvstate.models.resumable import ResumableCache
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from kvstate.errors import KVStateError
+from kvstate.models.compat import DynamicLayer
 from kvstate.models.families import LayerKind
 from kvstate.models.resumable import ResumableCache
 from kvstate.models.state import CacheSnapshot, fill_cache

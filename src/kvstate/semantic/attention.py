@@ -16,8 +16,13 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvstate.models.compat import (
+    AttentionMaskInterface,
+    attn_implementation,
+    sdpa_attention_forward,
+    sdpa_mask,
+)
 
 SEKV = "sekv"
 LAYER_KWARG = "semantic_layer"
@@ -47,7 +52,7 @@ def register() -> None:
 def semantic_attention(model: Any) -> Iterator[Any]:
     """``with semantic_attention(model): model.generate(..., cache=SemanticCache(...))``."""
     register()
-    old = model.config._attn_implementation
+    old = attn_implementation(model.config)
     model.set_attn_implementation(SEKV)
     try:
         yield model

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
 from kvstate.errors import BudgetError, KVStateError, UnsupportedModelError
+from kvstate.models.compat import Cache, DynamicLayer, attn_implementation
 from kvstate.models.families import family_of
 from kvstate.semantic.accounting import ByteCounts
 from kvstate.semantic.attention import SEKV
@@ -64,9 +64,9 @@ class SemanticLayer(DynamicLayer):
         self.seen += key_states.shape[2]
         if self.store is None:
             return super().update(key_states, value_states)
-        if self.owner.model_config._attn_implementation != SEKV:
+        if attn_implementation(self.owner.model_config) != SEKV:
             raise KVStateError("this SemanticCache is compressed, but the model's attention is "
-                               f"{self.owner.model_config._attn_implementation!r}; run the model inside "
+                               f"{attn_implementation(self.owner.model_config)!r}; run the model inside "
                                "`with kvstate.semantic.semantic_attention(model):`")
         self.store.append(key_states, value_states, self.owner.router, self.layer_idx, self.owner.config)
         return self.store.anchor_k, self.store.anchor_v

@@ -61,14 +61,14 @@ def run(model_dir: str | Path, config: ServeConfig, host: str = "127.0.0.1", por
         remote_optional: bool = False) -> None:
     """Load ``model_dir`` and serve it until interrupted (``remote_optional``: see :func:`check_remote`)."""
     import uvicorn
-    from transformers.utils import logging as hf_logging
 
+    from kvstate.models.compat import hf_logging
     from kvstate.serve.app import create_app
 
     check_port(host, port)
     if config.remote is not None:
         check_remote(config.remote, optional=remote_optional)
-    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # the server logs nothing per load step
+    hf_logging().disable_progress_bar()  # the server logs nothing per load step
     tokenizer = load_tokenizer(model_dir)  # the cheaper check first
     model = load_model(model_dir)
     app = create_app(model, tokenizer, config)

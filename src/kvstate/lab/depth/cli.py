@@ -111,7 +111,9 @@ EVAL_CODE = ("depth", "models", "lab/depth/evaluate.py", "lab/depth/pilot.py", "
 @app.command("eval")
 def eval_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory with its tokenizer.")],
-    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated.")] = "1,0.75,0.5,0.25",
+    keep: Annotated[str | None, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated (default: "
+                                       "those of 1,0.75,0.5,0.25 the model's declared family covers; the skipped "
+                                       "ones are named).")] = None,
     pattern_kind: Annotated[str, typer.Option(
         "--pattern-kind", help=f"Pattern family: {', '.join(keep_families())}.")] = "keep",
     n: Annotated[int, typer.Option("--n", min=1, help="Examples per task and length.")] = 10,
@@ -132,10 +134,8 @@ def eval_command(
     from kvstate.lab.cli_output import check_results_out, print_json, table_console
     from kvstate.lab.depth.evaluate import SCORE_LENGTHS, evaluate_sharing
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit
-    from kvstate.lab.lists import parse_floats
     from kvstate.models.loading import load_config
 
-    fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
     if pattern_kind not in keep_families():
         FAMILIES.get(pattern_kind)  # unknown: refused listing the registry
         raise KVStateError(f"--pattern-kind {pattern_kind!r} has no pattern per kept fraction; choose one of "
@@ -145,7 +145,7 @@ def eval_command(
     if out is not None:
         check_results_out(out, overwrite=overwrite)
     check_lengths_fit(load_config(model), SCORE_LENGTHS)  # the config alone: before reading the weights
-    check_deployable(model, fractions, pattern_kind, post_hoc=post_hoc)
+    fractions = keeps_to_run(model, keep, pattern_kind, post_hoc=post_hoc)
     # through the lab's experiment loop: ledger checked before any item, solved cells pooled, provenance appended
     result = evaluate_sharing(model, fractions, pattern_kind, n=n, seed=seed, progress=True, post_hoc=post_hoc,
                               out=out, overwrite=overwrite, code=EVAL_CODE)
@@ -273,6 +273,44 @@ def pilot_command(
 DECODE_CODE = ("depth", "models", "lab/depth/deploy.py", "lab/depth/evaluate.py", "lab/depth/pilot.py")
 
 
+DEFAULT_KEEPS = (1.0, 0.75, 0.5, 0.25)  # tried in order when --keep is not given
+
+
+def default_keeps(model: Path, kind: str = "keep", *, post_hoc: bool = False) -> tuple[list[float], dict[float, str]]:
+    """The :data:`DEFAULT_KEEPS` ``model``'s declared family covers, and each one skipped with the reason."""
+    from kvstate.depth.patterns import PatternError
+
+    kept: list[float] = []
+    skipped: dict[float, str] = {}
+    for k in DEFAULT_KEEPS:
+        try:
+            check_deployable(model, [k], kind, post_hoc=post_hoc)
+            kept.append(k)
+        except PatternError as err:
+            skipped[k] = str(err)
+    return kept, skipped
+
+
+def keeps_to_run(model: Path, keep: str | None, kind: str = "keep", *, post_hoc: bool) -> list[float]:
+    """``--keep`` parsed and checked against the declared family, or (unset) :func:`default_keeps`, naming on stderr
+    each default keep it skipped."""
+    from kvstate.errors import KVStateError
+    from kvstate.lab.cli_output import notes_console
+    from kvstate.lab.lists import parse_floats
+
+    if keep is not None:
+        fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
+        check_deployable(model, fractions, kind, post_hoc=post_hoc)
+        return fractions
+    fractions, skipped = default_keeps(model, kind, post_hoc=post_hoc)
+    for k, why in skipped.items():
+        notes_console().print(f"skipped keep {k:g} (outside {model}'s declared family): {why}")
+    if not fractions:
+        raise KVStateError(f"{model}'s declared family covers none of the keeps {', '.join(f'{k:g}' for k in DEFAULT_KEEPS)}; "
+                           "pass --keep, or --post-hoc to measure sharing it was not trained for")
+    return fractions
+
+
 def check_deployable(model: Path, fractions: list[float], kind: str = "keep", *, post_hoc: bool) -> None:
     """Each keep's pattern is in the model's declared family (the config and training state only: before the
     weights load); :class:`PatternError` naming the layer it breaks otherwise."""
@@ -290,7 +328,9 @@ def check_deployable(model: Path, fractions: list[float], kind: str = "keep", *,
 @app.command("decode")
 def decode_command(
     model: Annotated[Path, typer.Option("--model", help="A model directory (e.g. models/ref-attn-rcla).")],
-    keep: Annotated[str, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated.")] = "1,0.75,0.5,0.25",
+    keep: Annotated[str | None, typer.Option("--keep", help="Kept cache fractions in (0, 1], comma-separated (default: "
+                                       "those of 1,0.75,0.5,0.25 the model's declared family covers; the skipped "
+                                       "ones are named).")] = None,
     context: Annotated[str, typer.Option("--context", help="Prompt tokens before decoding (e.g. 2K).")] = "2K",
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens generated per timed call.")] = 32,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Interleaved repeats (medians reported).")] = 5,
@@ -308,14 +348,13 @@ def decode_command(
     from kvstate.lab.cli_output import check_results_out, print_json, table_console, write_results
     from kvstate.lab.depth.deploy import decode_benchmark
     from kvstate.lab.harness import load_reference
-    from kvstate.lab.lists import parse_floats, parse_ints
+    from kvstate.lab.lists import parse_ints
     from kvstate.lab.provenance import Recorder
 
-    fractions = parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
     (ctx,) = parse_ints(context, "--context", lo=1, example="2K")
     if out is not None:
         check_results_out(out, overwrite=overwrite)
-    check_deployable(model, fractions, post_hoc=post_hoc)
+    fractions = keeps_to_run(model, keep, post_hoc=post_hoc)
     rec = Recorder(code=DECODE_CODE, models=[model], seeds=[seed], lengths=[ctx],
                    settings={"keep": fractions, "new_tokens": new_tokens, "repeats": repeats})
     net, _ = load_reference(model)

@@ -25,12 +25,14 @@ def decode_benchmark(model: Any, keeps: Sequence[float], *, context: int = 2048,
                      repeats: int = 5, seed: int = 0, kind: str = "keep") -> list[dict[str, Any]]:
     """One row per keep: ``keep, pattern, context, new_tokens, decode_tok_s, decode_tok_s_range,
     prefill_s, cache_bytes, cache_bytes_vs_full, decode_speedup_vs_full`` (medians over ``repeats``)."""
-    from transformers.generation.streamers import BaseStreamer
 
     from kvstate.depth.attention import layer_specs
     from kvstate.depth.patterns import for_keep, format_pattern
     from kvstate.depth.sharing import apply_sharing, sharing_cache
     from kvstate.models.accounting import cache_nbytes
+    from kvstate.models.compat import base_streamer
+
+    BaseStreamer = base_streamer()
 
     if new_tokens < 2 or repeats < 1 or context < 1:
         raise KVStateError(f"decode benchmark: need new_tokens >= 2, repeats >= 1, context >= 1 "

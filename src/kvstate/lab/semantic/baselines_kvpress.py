@@ -1,9 +1,9 @@
 """NVIDIA kvpress presses as baselines, run in an isolated virtual environment.
 
 kvpress 0.5.5 pins ``transformers<5.3`` and patches transformers' attention globally when imported,
-so it never enters this process: :func:`ensure_env` creates ``.venv-kvpress`` (``pip install
-torch==2.13.0 kvpress==0.5.5``, which resolves transformers 5.2.0 and loads the committed reference
-models unchanged), :func:`run_presses` writes the items to JSONL, runs
+so it never enters this process: :func:`ensure_env` builds ``.venv-kvpress`` from its lock
+(``locks/kvpress.txt``: torch 2.13.0+cpu, kvpress 0.5.5, transformers 5.2.0, every package hashed; see
+:mod:`kvstate.lab.locks`), which loads the committed reference models unchanged, :func:`run_presses` writes the items to JSONL, runs
 ``kvstate/lab/semantic/kvpress_runner.py`` with that interpreter on the same model directory and reads its
 JSONL back into :class:`~kvstate.lab.semantic.bench.Outcome` rows (the registry's ``kvpress`` adapter,
 :mod:`kvstate.lab.semantic.methods.kvpress`, is the one caller), with the byte counts the runner measured
@@ -18,19 +18,18 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvstate.errors import KVStateError
 from kvstate.lab.journal import Journal
+from kvstate.lab.locks import ENVS, LockError, install
 from kvstate.lab.semantic.protocol import Item, items_to_rows, read_jsonl, write_jsonl
 
 DEFAULT_PRESSES = ("SnapKVPress", "StreamingLLMPress", "TOVAPress", "ExpectedAttentionPress", "KnormPress")
 NOT_RUN = {name: "needs files from a model hub" for name in
            ("RestoreKVPress", "QFilterPress", "KVzapPress", "DuoAttentionPress", "FastKVzipPress", "LUKVPress")}
-PINS = ("torch==2.13.0", "kvpress==0.5.5")
 RUNNER = Path(__file__).with_name("kvpress_runner.py")
 
 
@@ -49,13 +48,12 @@ def ensure_env(venv: Path, create: bool = True) -> Path:
     py = venv / "bin" / "python"
     if not py.is_file():
         if not create:
-            raise KVPressEnvError(f"no kvpress environment at {str(venv)!r}; create it with "
-                                  f"`python -m venv {venv} && {venv}/bin/pip install {' '.join(PINS)}`")
-        for cmd in ([sys.executable, "-m", "venv", str(venv)], [str(venv / "bin" / "pip"), "install", "-q", *PINS]):
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise KVPressEnvError(f"creating the kvpress environment failed at `{' '.join(cmd)}`: "
-                                      f"{(done.stderr or done.stdout).strip()[-600:]}")
+            raise KVPressEnvError(f"no kvpress environment at {str(venv)!r}; create it from its lock with "
+                                  "`python3 src/kvstate/lab/locks.py install kvpress` (or `make test`)")
+        try:
+            py = install(ENVS["kvpress"], venv=venv)
+        except LockError as exc:
+            raise KVPressEnvError(f"creating the kvpress environment failed: {exc}") from exc
     check = subprocess.run([str(py), "-c", "import kvpress, transformers; print(transformers.__version__)"],
                            capture_output=True, text=True)
     if check.returncode != 0:

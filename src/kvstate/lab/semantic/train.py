@@ -111,7 +111,8 @@ class TrainConfig:
 def capture(model: Any) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """Record each attention layer's (query, key, value) of a forward call, then run SDPA."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvstate.models.compat import attn_implementation, sdpa_attention_forward
 
     store: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -121,7 +122,7 @@ def capture(model: Any) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor, 
         return sdpa_attention_forward(module, query, key, value, mask, **kw)
 
     AttentionInterface.register(CAPTURE, fn)
-    old = model.config._attn_implementation
+    old = attn_implementation(model.config)
     model.set_attn_implementation(CAPTURE)
     try:
         yield store

@@ -116,9 +116,10 @@ def bench_command(
     codec_dir: Annotated[Path, typer.Option("--codec", help="Codec directory.")] = DEFAULT_CODEC,
     n: Annotated[int, typer.Option("--n", min=1, help="Examples per needle task and length.")] = 10,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the evaluation items.")] = 0,
-    lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated (default: the "
-                                         "TTFT grid's 1K / 4K / 8K; 8K = 8,128 leaves room for the answer).")
-                       ] = "1024,4096,8128",
+    lengths: Annotated[str, typer.Option("--length", help="Context lengths in tokens, comma-separated (default: 1K / 2K, "
+                                         "the lengths of every committed quality run; the consumer solves nothing "
+                                         "at 4K / 8K).")
+                       ] = "1024,2048",
     methods: Annotated[str | None, typer.Option("--methods", help="Registered methods to run, comma-separated "
                                                 "(default: all; the oracle always runs); `kvstate transfer methods` "
                                                 "lists them.")] = None,
