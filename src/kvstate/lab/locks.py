@@ -70,9 +70,9 @@ ENVS: dict[str, LockedEnv] = {e.name: e for e in (
 )}
 
 
-def project_requirements(pyproject: Path = REPO / "pyproject.toml") -> list[str]:
+def project_requirements(pyproject: Path | None = None) -> list[str]:
     """pyproject's dependencies and its ``dev`` extra (what ``.venv`` installs)."""
-    project = tomllib.loads(pyproject.read_text())["project"]
+    project = tomllib.loads((pyproject or REPO / "pyproject.toml").read_text())["project"]
     return [*project["dependencies"], *project.get("optional-dependencies", {}).get("dev", [])]
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+import torch
 import transformers
 
 from kvstate.errors import KVStateError
@@ -106,6 +107,22 @@ def base_streamer() -> type:
 
 def hf_logging() -> ModuleType:
     return internal("transformers.utils", "logging")  # type: ignore[no-any-return]
+
+
+def set_recurrent_length(layer: Any, length: int) -> None:
+    """Record on a linear-attention cache layer that its restored state covers ``length`` tokens.
+
+    transformers 5.25 counts a linear-attention layer's tokens (``cumulative_length_linear``, a tensor): a
+    forward adds its tokens, but ``update_conv_state`` on an empty layer adds the conv window's width, so a state
+    restored through the layer's own update methods would report 4 tokens, and ``generate`` (which now asks
+    every cache for its length) would re-feed the prompt. 5.24 keeps no count (nothing to set)."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if counter is None:
+        return
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(int(length))
+    else:
+        layer.cumulative_length_linear = int(length)
 
 
 def attn_implementation(config: Any) -> str:
@@ -233,6 +250,7 @@ __all__ = [
     "LinearAttentionCacheLayerMixin", "TransformersInternalError", "attn_implementation", "base_streamer",
     "check_cache", "check_internals", "family_function", "family_module", "gated_deltanet_chunk_size",
     "hf_logging", "in_tested_range", "internal", "modeling_module", "sdpa_attention_forward", "sdpa_mask",
+    "set_recurrent_length",
     "tested_range", "version", "warn_if_untested",
 ]
 warn_if_untested()

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
-from kvstate.models.compat import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+from kvstate.models.compat import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, set_recurrent_length
 from kvstate.models.families import LayerKind, layer_kinds
 from kvstate.models.resumable import ResumableCache
 
@@ -231,4 +231,5 @@ def fill_cache(config: Any, kinds: list[LayerKind], kv: list[tuple[torch.Tensor,
                 raise KVStateError(f"no recurrent state at position {length} to restore.")
             layer.update_conv_state(st[0])  # type: ignore[union-attr]
             layer.update_recurrent_state(st[1])  # type: ignore[union-attr]
+            set_recurrent_length(layer, length)
     return cache.seal(length)
