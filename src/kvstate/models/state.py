@@ -20,7 +20,12 @@ import torch
 from transformers import DynamicCache
 
 from kvstate.errors import KVStateError
-from kvstate.models.compat import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin, set_recurrent_length
+from kvstate.models.compat import (
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    set_recurrent_length,
+)
 from kvstate.models.families import LayerKind, layer_kinds
 from kvstate.models.resumable import ResumableCache
 
