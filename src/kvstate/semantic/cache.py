@@ -218,7 +218,7 @@ class SemanticCache(Cache):
         t = k.shape[2]
         token_bytes = 2 * k.shape[1] * k.shape[3] * k.element_size()
         # per span and KV head: mean key and value, the bounds (min, max key) or the routing summary; and log |S|
-        per_head = (2 * k.shape[3] if self.config.summaries else 0) + (2 * k.shape[3] if self.config.bounds else 0) + \
+        per_head = (2 * k.shape[3] if self.config.attend_summaries else 0) + (2 * k.shape[3] if self.config.bounds else 0) + \
             (self.router.config.routing_dim if self.config.route_summaries else 0)
         span_bytes = k.shape[1] * per_head * k.element_size() + k.element_size()
         # "soft" (training) fits as "routed" does; "none" expands nothing and the "all" oracle everything

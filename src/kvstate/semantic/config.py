@@ -52,24 +52,27 @@ MEMORY_MAX = 4.0  # memory above 4x the full KV is a typo, not a setting
 
 @dataclass(frozen=True)
 class SemanticConfig:
+    # The defaults are the shipped ``sekv`` of the report's headline grid (models/ref-attn-sekv/eval.json: recent 16,
+    # spans of at most 32, expand share 0.6, a 4-bit slow tier, expanded spans read alone); tests/lab/test_defaults.py
     budget: float = 0.25  # (fast tier + expanded spans) bytes / full KV bytes of the tokens seen, every step
-    segment: SegmentConfig = field(default_factory=SegmentConfig)
+    segment: SegmentConfig = field(default_factory=lambda: SegmentConfig(recent=16, max_span=32))
     memory: float | None = None  # bytes held in every tier / full KV bytes; None: the slow tier under slow_budget
     zoom: Zoom = "routed"
     routing: Routing = "bounds"  # how zoom="routed" ranks spans
-    expand_share: float = 0.5  # share of the budget left free at compression for expanded spans (capped zooms)
+    expand_share: float = 0.6  # share of the budget left free at compression for expanded spans (capped zooms)
     slow_budget: float = SLOW_BUDGET  # slow-tier bytes / raw span K/V bytes (predicted ranks are allocated under it)
     max_rank: int = 32  # a span's predicted rank never exceeds this
     rank: int | None = None  # fixed slow-tier rank, outside the slow budget (>= head_dim: exact); None = allocated
-    slow: Slow = "lowrank"
+    slow: Slow = "quant"
     bits: int = 4  # slow="quant": bits per key / value element, one of 2, 4, 8, 16 (16: not quantized)
     outliers: float = 0.05  # slow="quant": share of spans with the least alike keys kept unquantized
     slow_tier: bool = True  # False: keep summaries only (static grouping baseline; zoom must be "none")
     sticky: bool = True  # expanded spans stay in a budgeted working set (least relevant evicted when over)
     route_query: RouteQuery = "last"  # queries of a multi-token pass that rank the spans (decode steps: the one)
     # False: unexpanded spans are not attended (Quest's reads); their summary keys / values are not kept, so the fast
-    # tier is the anchors and the bounds and the budget left for expansions grows (routing="bounds" only)
-    summaries: bool = True
+    # tier is the anchors and the bounds and the budget left for expansions grows (routing="bounds" only). None (the
+    # default): False where that is possible (zoom="routed" with routing="bounds": the shipped sekv), else True
+    summaries: bool | None = None
 
     def __post_init__(self) -> None:
         check_float("SemanticConfig.budget", self.budget, 0.0, 1.0, lo_open=True, error=KVStateError,
@@ -105,13 +108,21 @@ class SemanticConfig:
                                    f"reads is also held; set memory >= {self.budget}")
         if not self.slow_tier and self.zoom != "none":
             raise KVStateError(f"SemanticConfig: slow_tier=False keeps no tokens to zoom into; set zoom='none', not {self.zoom!r}")
-        check_bool("SemanticConfig.summaries", self.summaries, error=KVStateError)
-        if not self.summaries and (self.zoom != "routed" or self.routing != "bounds"):
+        if self.summaries is not None:
+            check_bool("SemanticConfig.summaries", self.summaries, error=KVStateError)
+        if self.summaries is False and (self.zoom != "routed" or self.routing != "bounds"):
             raise KVStateError(f"SemanticConfig: summaries=False attends expanded spans only, which needs zoom='routed' "
                                f"with routing='bounds' (got zoom={self.zoom!r}, routing={self.routing!r}); set "
                                "summaries=True")
         if self.rank is not None:
             check_int("SemanticConfig.rank", self.rank, 1, 1 << 16, error=KVStateError, hint=" or None (allocated)")
+
+    @property
+    def attend_summaries(self) -> bool:
+        """Whether each unexpanded span is attended as its summary entry (``summaries``, resolved)."""
+        if self.summaries is not None:
+            return self.summaries
+        return not (self.zoom == "routed" and self.routing == "bounds")
 
     @property
     def capped(self) -> bool:

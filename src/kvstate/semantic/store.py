@@ -240,7 +240,7 @@ class SpanStore:
             self.k_lo = torch.cat([self.k_lo, torch.stack(lo, 1)], 1)
             self.k_hi = torch.cat([self.k_hi, torch.stack(hi, 1)], 1)
         self.sizes += [b - a for a, b in spans]
-        if config.summaries:
+        if config.attend_summaries:
             self.sum_k = torch.cat([self.sum_k, torch.stack(sk, 1)[None]], 2)
             self.sum_v = torch.cat([self.sum_v, torch.stack(sv, 1)[None]], 2)
         self.route = torch.cat([self.route, torch.stack(rt, 1)], 1)
@@ -381,7 +381,7 @@ class SpanStore:
         read = self.kv_nbytes()
         if self.n_spans:
             soft = None
-            if config.summaries:  # each unexpanded span as one entry: its mean key with log |S| added, its mean value
+            if config.attend_summaries:  # each unexpanded span as one entry: its mean key with log |S| added, its mean value
                 ls = qg @ self.sum_k[0].transpose(-1, -2) * scaling + self.log_n.to(q.dtype)  # (H, g*Tq, S)
                 if zoom == "soft":  # summary weighted by 1 - gate, its tokens by gate (training relaxation)
                     soft = torch.sigmoid(router.zoom_logits(layer, q, self.route)).to(q.dtype).reshape(h, g * tq, -1)

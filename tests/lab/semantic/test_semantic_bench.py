@@ -20,6 +20,7 @@ from kvstate.lab.semantic.protocol import (
 from kvstate.lab.workloads import build_tokenizer
 from kvstate.models import tiny_model
 from kvstate.semantic.segment import SegmentConfig
+from tests.semantic_util import lowrank_config
 
 FAKE_KVPRESS = textwrap.dedent('''
     """A stand-in for kvpress: a press that keeps everything (so the runner must equal the full cache), and an
@@ -227,7 +228,6 @@ def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
     import torch
 
     from kvstate.lab.semantic.protocol import CONTINUATION, PPL
-    from kvstate.semantic.cache import SemanticConfig
 
     tok = build_tokenizer()
     model = tiny_model(family, vocab_size=len(tok))
@@ -238,9 +238,9 @@ def test_ppl_every_span_expanded_at_full_rank_equals_full_kv(family):
     seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
     full = run_method("full", model, tok, items, 1.0, None, seg)
     exact = run_method("sekv", model, tok, items, 0.4, None, seg,
-                       config=SemanticConfig(budget=0.4, zoom="all", rank=64, segment=seg))
+                       config=lowrank_config(budget=0.4, zoom="all", rank=64, segment=seg))
     lossy = run_method("sekv", model, tok, items, 0.4, None, seg,
-                       config=SemanticConfig(budget=0.4, zoom="none", segment=seg))
+                       config=lowrank_config(budget=0.4, zoom="none", segment=seg))
     with torch.no_grad():  # brute force: one full forward over context + continuation
         nll = 0.0
         for it in items:

@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstate.semantic import SemanticConfig
 from kvstate.semantic.bounds import upper_bound
 from kvstate.semantic.router import RouterConfig, SemanticRouter
 from kvstate.semantic.segment import Segmentation
 from kvstate.semantic.store import SpanStore
+from tests.semantic_util import lowrank_config
 
 H, D = 2, 16
 
@@ -37,7 +37,7 @@ def test_bound_is_at_least_every_logit_of_the_keys_read_back(slow, seed, n, span
     t = n * spans
     keys = scale * torch.randn(1, H, t, D, generator=g) + torch.randn(1, H, 1, D, generator=g)
     values = torch.randn(1, H, t, D, generator=g)
-    store, _ = _store(keys, values, [(i * n, (i + 1) * n) for i in range(spans)], SemanticConfig(**slow))
+    store, _ = _store(keys, values, [(i * n, (i + 1) * n) for i in range(spans)], lowrank_config(**slow))
     q = scale * torch.randn(H, 5, D, generator=g)  # (H, M, D) query rows per KV head
     bound = upper_bound(q, store.k_lo, store.k_hi)  # (H, M, S)
     for s in range(spans):
@@ -74,7 +74,7 @@ def test_the_span_holding_a_needle_ranks_first_under_bounds_and_is_expanded():
     values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(1))
     query = q.expand(1, 2 * H, 1, D).contiguous()  # (1, Hq, 1, D): a GQA group of two heads per KV head
     for slow in ({"slow": "quant", "bits": 4, "outliers": 0.0}, {"slow": "raw"}):
-        cfg = SemanticConfig(budget=0.9, sticky=False, **slow)
+        cfg = lowrank_config(budget=0.9, sticky=False, **slow)
         store, router = _store(keys, values, spans, cfg, n_heads=2 * H)
         want, score = store.decide(query[0], 1.0, router, 0, cfg)
         assert want.all() and score.amax(0).argmax() == 6
@@ -87,7 +87,7 @@ def test_learned_routing_of_an_untrained_router_ranks_the_needle_span_elsewhere(
     """The ablation: the paper's learned relevance (untrained here) scores the same spans by a projected,
     weighted mean key and does not rank the needle's span first."""
     keys, q, spans = _needle_keys()
-    cfg = SemanticConfig(budget=0.9, routing="learned", sticky=False)
+    cfg = lowrank_config(budget=0.9, routing="learned", sticky=False)
     store, router = _store(keys, torch.zeros_like(keys), spans, cfg, n_heads=2 * H)
     _, score = store.decide(q.expand(2 * H, 1, D), 1.0, router, 0, cfg)
     order = score.amax(0).argsort(descending=True).tolist()

@@ -14,12 +14,12 @@ from kvstate.models import tiny_model
 from kvstate.semantic import (
     SegmentConfig,
     SemanticCache,
-    SemanticConfig,
     prefill_and_compress,
     semantic_attention,
 )
 from kvstate.semantic.ranks import allocate_ranks
 from kvstate.semantic.store import SpanStore
+from tests.semantic_util import lowrank_config
 
 T = 160
 SEG = SegmentConfig(sinks=2, recent=4, min_span=2, max_span=8)
@@ -38,7 +38,7 @@ def _decode(model, cache, steps, seed=6, start=T):
 
 def test_byte_counts_equal_the_tensors_held_and_read(monkeypatch):
     model = tiny_model("qwen3")
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.5, segment=SEG, zoom="similarity"))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.5, segment=SEG, zoom="similarity"))
     prefill_and_compress(model, cache, _ids(1, T))
     passes: dict[int, list[int]] = {}  # layer -> bytes read per pass, from the tensors themselves
     attend, recon = SpanStore.attend, SpanStore._reconstruct
@@ -76,7 +76,7 @@ def test_reads_never_exceed_the_budget_while_decoding_folds_tokens_into_spans(zo
     model = tiny_model("qwen3")
     budget = 0.55
     routing = "learned" if zoom == "routed" else "bounds"
-    cache = SemanticCache(model, config=SemanticConfig(budget=budget, segment=SEG, zoom=zoom, sticky=sticky,
+    cache = SemanticCache(model, config=lowrank_config(budget=budget, segment=SEG, zoom=zoom, sticky=sticky,
                                                        routing=routing))
     if zoom == "routed":  # an untrained router expanding every span: only the cap limits it
         with torch.no_grad():
@@ -95,7 +95,7 @@ def test_reads_never_exceed_the_budget_while_decoding_folds_tokens_into_spans(zo
 def test_uncapped_oracle_reads_past_the_budget():
     """The cap is what keeps reads in budget: the "all" oracle at the same budget reads more."""
     model = tiny_model("qwen3")
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.35, segment=SEG, zoom="all"))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.35, segment=SEG, zoom="all"))
     prefill_and_compress(model, cache, _ids(3, T))
     _decode(model, cache, 5)
     assert max(cache.read_ratios()) > 0.9
@@ -125,7 +125,7 @@ def test_a_multi_token_pass_ranks_spans_by_its_last_query_by_default(route_query
                    torch.zeros(h, 2, 2), torch.zeros(2), sizes=[4, 4],
                    slow=[(Raw(torch.zeros(h, 4, d)), Raw(torch.zeros(h, 4, d))) for _ in range(2)])
     kw = {} if route_query is None else {"route_query": route_query}
-    config = SemanticConfig(budget=0.9, zoom="similarity", sticky=False, **kw)
+    config = lowrank_config(budget=0.9, zoom="similarity", sticky=False, **kw)
     assert 4 * st.token_bytes <= st.allowance(config.budget) < 8 * st.token_bytes  # one span fits, not two
     query = torch.stack([5 * e[0], e[1]])[None, None]  # (1, Hq, Tq=2, D): token 0 -> span 0, last token -> span 1
     seen = []
@@ -178,7 +178,7 @@ def test_slow_budget_is_shared_by_relative_energy_so_large_keys_do_not_take_it_a
     spans = np.array([[a, a + 24] for a in range(0, t, 24)], dtype=np.int64)
     seg = Segmentation(t, np.zeros(0, dtype=np.int64), spans)
     router = SemanticRouter(RouterConfig(n_layers=1, n_heads=h, n_kv_heads=h, head_dim=d))
-    cfg = SemanticConfig(budget=0.5, slow_budget=0.2, max_rank=16)
+    cfg = lowrank_config(budget=0.5, slow_budget=0.2, max_rank=16)
     st = SpanStore.build(keys, values, seg, [np.full(24, 1 / 24)] * len(spans), router, 0, cfg)
     ranks = [(k.rank, v.rank) for k, v in st.slow]
     assert all(abs(rk - rv) <= 1 for rk, rv in ranks), ranks  # equal but for ties broken towards the keys
@@ -190,20 +190,20 @@ def test_slow_tier_at_its_budget_is_smaller_than_raw_and_exact_at_full_rank():
     model = tiny_model("qwen3")
     ids, q = _ids(4, T), _ids(5, 6)
     seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=32)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.6, segment=seg, slow_budget=0.25, max_rank=64))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.6, segment=seg, slow_budget=0.25, max_rank=64))
     prefill_and_compress(model, cache, ids)
     st = cache.slow_tier()
     assert st["slow_bytes"] <= st["budget_bytes"] < st["raw_span_bytes"]
     assert sum(st["rank_histogram"].values()) == sum(st["cap_histogram"].values()) == 2 * len(cache.semantic_layers) * len(cache.segmentation.spans)
-    wide = SemanticCache(model, config=SemanticConfig(budget=0.6, segment=seg, slow_budget=1.0, max_rank=64))
+    wide = SemanticCache(model, config=lowrank_config(budget=0.6, segment=seg, slow_budget=1.0, max_rank=64))
     prefill_and_compress(model, wide, ids)
     assert wide.slow_tier()["slow_bytes"] > st["slow_bytes"]  # a larger budget buys rank
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=full, position_ids=torch.arange(T)[None])
         ref = model(input_ids=q, cache=full, position_ids=torch.arange(T, T + 6)[None]).logits
-    for cfg in (SemanticConfig(budget=0.6, segment=seg, zoom="all", rank=64),
-                SemanticConfig(budget=0.6, segment=seg, zoom="all", slow="raw")):
+    for cfg in (lowrank_config(budget=0.6, segment=seg, zoom="all", rank=64),
+                lowrank_config(budget=0.6, segment=seg, zoom="all", slow="raw")):
         exact = SemanticCache(model, config=cfg)
         prefill_and_compress(model, exact, ids)
         with semantic_attention(model), torch.no_grad():
@@ -215,10 +215,10 @@ def test_slow_tier_at_its_budget_is_smaller_than_raw_and_exact_at_full_rank():
 
 def test_budget_errors_name_the_minimum():
     model = tiny_model("qwen3")
-    tight = SemanticCache(model, config=SemanticConfig(budget=0.2, segment=SEG))
+    tight = SemanticCache(model, config=lowrank_config(budget=0.2, segment=SEG))
     with pytest.raises(BudgetError, match=r"minimum is \d+ bytes per layer, budget >= 0\.\d+"):
         prefill_and_compress(model, tight, _ids(1, T))
-    low = SemanticCache(model, config=SemanticConfig(budget=0.6, segment=SEG, slow_budget=0.01))
+    low = SemanticCache(model, config=lowrank_config(budget=0.6, segment=SEG, slow_budget=0.01))
     with pytest.raises(BudgetError, match=r"below one rank per span: the minimum is \d+ bytes.*slow_budget >= 0\.\d+"):
         prefill_and_compress(model, low, _ids(1, T))
 
@@ -231,4 +231,4 @@ def test_config_refuses_out_of_range_fields(kw, field):
     from kvstate.errors import KVStateError
 
     with pytest.raises(KVStateError, match=f"SemanticConfig.{field}"):
-        SemanticConfig(**kw)
+        lowrank_config(**kw)

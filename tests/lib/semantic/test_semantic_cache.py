@@ -14,13 +14,13 @@ from kvstate.semantic import (
     RouterMismatchError,
     SegmentConfig,
     SemanticCache,
-    SemanticConfig,
     SemanticRouter,
     prefill_and_compress,
     semantic_attention,
 )
 from kvstate.semantic.lowrank import RankGate, encode
 from kvstate.semantic.segment import fast_bytes
+from tests.semantic_util import lowrank_config
 
 T, Q = 160, 6
 SEG = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
@@ -59,11 +59,11 @@ def test_every_span_expanded_at_full_rank_equals_full_attention(family):
     model = tiny_model(family)
     ids, q = _ids(1, T), _ids(2, Q)
     ref, _ = _full_logits(model, ids, q)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="all", rank=64, segment=SEG))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.3, zoom="all", rank=64, segment=SEG))
     out = _semantic_logits(model, cache, ids, q)
     assert len(cache.segmentation.spans) >= 5
     assert (out - ref).abs().max() < 1e-5
-    lossy = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="none", segment=SEG))
+    lossy = SemanticCache(model, config=lowrank_config(budget=0.3, zoom="none", segment=SEG))
     assert (_semantic_logits(model, lossy, ids, q) - ref).abs().max() > 1e-3  # the oracle can fail
 
 
@@ -71,7 +71,7 @@ def test_unexpanded_spans_equal_dense_summary_layout():
     """Summary + log|S| equals attention over a cache where every span token holds the span's mean."""
     model = tiny_model("qwen3")
     ids, q = _ids(3, T), _ids(4, Q)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="none", segment=SEG))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.3, zoom="none", segment=SEG))
     out = _semantic_logits(model, cache, ids, q)
     full = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -92,7 +92,7 @@ def test_decode_rolls_tokens_into_spans_and_stays_exact():
     model = tiny_model("qwen3")
     ids = _ids(5, T)
     seg = SegmentConfig(sinks=2, recent=4, min_span=2, max_span=4)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.7, zoom="all", rank=64, segment=seg))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.7, zoom="all", rank=64, segment=seg))
     full = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=ids, cache=full, position_ids=torch.arange(T)[None])
@@ -122,7 +122,7 @@ def test_adopt_equals_prefill_and_a_fork_decodes_as_a_deep_copy(family):
     model = tiny_model(family)
     ids = _ids(5, T)
     seg = SegmentConfig(sinks=2, recent=4, min_span=2, max_span=12)
-    config = SemanticConfig(budget=0.5, segment=seg)  # learned zoom, low rank, sticky: every record in use
+    config = lowrank_config(budget=0.5, segment=seg)  # learned zoom, low rank, sticky: every record in use
     direct = SemanticCache(model, config=config)
     prefill_and_compress(model, direct, ids)
     pre = DynamicCache(config=model.config)
@@ -147,10 +147,10 @@ def test_adopt_equals_prefill_and_a_fork_decodes_as_a_deep_copy(family):
     assert torch.equal(got, _decode_logits(model, ref)) and fork.byte_counts() == ref.byte_counts()
     assert fork.semantic_layers[0].store.n_spans > direct.semantic_layers[0].store.n_spans  # tokens were folded
     assert torch.equal(_decode_logits(model, direct.fork()), got)  # and the original still decodes the same
-    fresh = direct.fork(SemanticConfig(budget=0.5, segment=seg, sticky=False))
+    fresh = direct.fork(lowrank_config(budget=0.5, segment=seg, sticky=False))
     assert fresh.config.sticky is False and direct.config.sticky is True
     with pytest.raises(KVStateError, match="more than sticky"):
-        direct.fork(SemanticConfig(budget=0.4, segment=seg))
+        direct.fork(lowrank_config(budget=0.4, segment=seg))
     with pytest.raises(KVStateError, match="already holds tokens"):
         direct.adopt(pre)
 
@@ -158,7 +158,7 @@ def test_adopt_equals_prefill_and_a_fork_decodes_as_a_deep_copy(family):
 def test_budget_accounting_equals_tensor_bytes():
     model = tiny_model("qwen3")
     ids = _ids(7, T)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.5, segment=SEG))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.5, segment=SEG))
     prefill_and_compress(model, cache, ids)
     layers = cache.semantic_layers
     k0 = layers[0].store.anchor_k
@@ -183,7 +183,7 @@ def test_generate_runs_with_semantic_cache():
     full_ids = torch.cat([ids, q], 1)
     ref = model.generate(full_ids, max_new_tokens=5, do_sample=False, output_logits=True,
                          return_dict_in_generate=True, cache=DynamicCache(config=model.config))
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.3, zoom="all", rank=64, segment=SEG))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.3, zoom="all", rank=64, segment=SEG))
     prefill_and_compress(model, cache, ids)
     with semantic_attention(model):
         out = model.generate(full_ids, max_new_tokens=5, do_sample=False, output_logits=True,
@@ -240,14 +240,14 @@ def test_a_damaged_router_file_is_one_integrity_error_naming_it(tmp_path, damage
 def test_bad_inputs():
     model = tiny_model("qwen3")
     ids = _ids(10, T)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.02, segment=SEG))
+    cache = SemanticCache(model, config=lowrank_config(budget=0.02, segment=SEG))
     with pytest.raises(BudgetError, match=r"minimum is \d+ bytes"):
         prefill_and_compress(model, cache, ids)
     with pytest.raises(UnsupportedModelError, match="no standard attention"):
         SemanticCache(tiny_model("mamba2"))
     with pytest.raises(KVStateError, match="budget"):
-        SemanticConfig(budget=1.5)
-    cache = SemanticCache(model, config=SemanticConfig(budget=0.6, segment=SEG))
+        lowrank_config(budget=1.5)
+    cache = SemanticCache(model, config=lowrank_config(budget=0.6, segment=SEG))
     with pytest.raises(KVStateError, match="surprisal values"):
         cache.compress(np.zeros(5))
     prefill_and_compress(model, cache, ids)
@@ -270,7 +270,7 @@ def test_without_summaries_every_span_expanded_equals_full_attention_and_holds_m
     seg = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=8)
     fast, errs = {}, {}
     for summaries in (True, False):
-        cfg = SemanticConfig(budget=1.0, segment=seg, slow="raw", summaries=summaries, sticky=False)
+        cfg = lowrank_config(budget=1.0, segment=seg, slow="raw", summaries=summaries, sticky=False)
         cache = SemanticCache(model, config=cfg)
         prefill_and_compress(model, cache, ids)
         store = cache.semantic_layers[0].store
@@ -282,6 +282,6 @@ def test_without_summaries_every_span_expanded_equals_full_attention_and_holds_m
     assert errs[False] < 1e-4 and errs[True] < 1e-4
     assert fast[False] > fast[True]  # without summary entries the fast tier has room for more anchors
     with pytest.raises(KVStateError, match="summaries=False"):
-        SemanticConfig(summaries=False, zoom="similarity")
+        lowrank_config(summaries=False, zoom="similarity")
     with pytest.raises(KVStateError, match="summaries=False"):
-        SemanticConfig(summaries=False, routing="learned")
+        lowrank_config(summaries=False, routing="learned")

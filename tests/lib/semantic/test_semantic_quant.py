@@ -13,7 +13,6 @@ from kvstate.models import tiny_model
 from kvstate.semantic import (
     SegmentConfig,
     SemanticCache,
-    SemanticConfig,
     prefill_and_compress,
     semantic_attention,
 )
@@ -27,6 +26,7 @@ from kvstate.semantic.quant import (
     quantize_values,
     unpack,
 )
+from tests.semantic_util import lowrank_config
 
 T = 160
 SEG = SegmentConfig(sinks=2, recent=8, min_span=2, max_span=12)
@@ -57,7 +57,7 @@ def test_codes_round_trip_within_half_a_step(bits, d):
 @pytest.mark.parametrize("sticky", [True, False])
 def test_bytes_per_tier_equal_the_tensors_held(sticky):
     model = tiny_model("qwen3")
-    cfg = SemanticConfig(budget=0.5, memory=0.8, segment=SEG, slow="quant", bits=2, outliers=0.1, sticky=sticky)
+    cfg = lowrank_config(budget=0.5, memory=0.8, segment=SEG, slow="quant", bits=2, outliers=0.1, sticky=sticky)
     cache = SemanticCache(model, config=cfg)
     prefill_and_compress(model, cache, _ids(1, T))
     with semantic_attention(model), torch.no_grad():
@@ -101,7 +101,7 @@ def test_unquantized_oracle_equals_full_attention_and_quantized_does_not():
         ref = model(input_ids=q, cache=full, position_ids=torch.arange(T, T + 6)[None]).logits
     errs = {}
     for bits in (16, 8, 2):
-        cache = SemanticCache(model, config=SemanticConfig(budget=0.5, segment=SEG, zoom="all", slow="quant",
+        cache = SemanticCache(model, config=lowrank_config(budget=0.5, segment=SEG, zoom="all", slow="quant",
                                                            bits=bits))
         prefill_and_compress(model, cache, ids)
         with semantic_attention(model), torch.no_grad():
@@ -116,7 +116,7 @@ def test_memory_caps_every_tier_and_the_low_rank_tier_fills_it():
     ids = _ids(5, T)
     totals = []
     for memory in (0.7, 0.9):
-        cache = SemanticCache(model, config=SemanticConfig(budget=0.5, memory=memory, segment=SEG, max_rank=64))
+        cache = SemanticCache(model, config=lowrank_config(budget=0.5, memory=memory, segment=SEG, max_rank=64))
         prefill_and_compress(model, cache, ids)
         b = cache.byte_counts()
         # the working set is empty before the first pass; its share of the cap is the rest of the read budget
@@ -129,7 +129,7 @@ def test_memory_caps_every_tier_and_the_low_rank_tier_fills_it():
 def test_sixteen_to_one_memory_fits_at_4k_tokens():
     model = tiny_model("qwen3", head_dim=64, max_position_embeddings=8192)
     t = 4096
-    cfg = SemanticConfig(budget=0.0625, memory=0.0625, sticky=False, segment=SegmentConfig(max_span=128))
+    cfg = lowrank_config(budget=0.0625, memory=0.0625, sticky=False, segment=SegmentConfig(max_span=128))
     cache = SemanticCache(model, config=cfg)
     prefill_and_compress(model, cache, _ids(6, t))
     b = cache.byte_counts()
@@ -140,14 +140,14 @@ def test_a_memory_that_cannot_hold_the_exact_parts_names_the_minimum_that_fits()
     model = tiny_model("qwen3")
     ids = _ids(7, T)
     for slow in ("quant", "lowrank"):
-        cfg = SemanticConfig(budget=0.5, memory=0.5, segment=SEG, slow=slow, bits=4)
+        cfg = lowrank_config(budget=0.5, memory=0.5, segment=SEG, slow=slow, bits=4)
         with pytest.raises(BudgetError, match=r"memory >= 0\.\d{4}") as err:
             prefill_and_compress(model, SemanticCache(model, config=cfg), ids)
         need = float(re.search(r"memory >= (0\.\d{4})", str(err.value)).group(1)) + 1e-4
-        ok = SemanticCache(model, config=SemanticConfig(budget=0.5, memory=need, segment=SEG, slow=slow, bits=4))
+        ok = SemanticCache(model, config=lowrank_config(budget=0.5, memory=need, segment=SEG, slow=slow, bits=4))
         prefill_and_compress(model, ok, ids)  # the named minimum fits
     with pytest.raises(BudgetError, match=r"slow tier at its least \(\d+: 4-bit codes"):
-        prefill_and_compress(model, SemanticCache(model, config=SemanticConfig(
+        prefill_and_compress(model, SemanticCache(model, config=lowrank_config(
             budget=0.5, memory=0.52, segment=SEG, slow="quant", bits=4)), ids)
 
 
@@ -156,7 +156,7 @@ def test_a_memory_that_cannot_hold_the_exact_parts_names_the_minimum_that_fits()
                                     ({"bits": 32}, r"bits=32 must be one of 2, 4, 8, 16")])
 def test_bad_settings_are_refused_with_one_clear_error(kw, msg):
     with pytest.raises(KVStateError, match=msg):
-        SemanticConfig(**kw)
+        lowrank_config(**kw)
 
 
 def test_outlier_spans_stay_exact_only_while_the_memory_cap_holds_them():
@@ -164,12 +164,12 @@ def test_outlier_spans_stay_exact_only_while_the_memory_cap_holds_them():
     ids = _ids(8, T)
     # the floor of 4-bit codes with no outlier kept exact: the refusal names it
     with pytest.raises(BudgetError, match=r"memory >= (0\.\d{4})") as err:
-        prefill_and_compress(model, SemanticCache(model, config=SemanticConfig(
+        prefill_and_compress(model, SemanticCache(model, config=lowrank_config(
             budget=0.5, memory=0.5, segment=SEG, slow="quant", bits=4, outliers=0.0)), ids)
     floor = float(re.search(r"memory >= (0\.\d{4})", str(err.value)).group(1)) + 1e-4
     exact = {}
     for name, memory in (("uncapped", None), ("floor", floor)):
-        cfg = SemanticConfig(budget=0.5, memory=memory, segment=SEG, slow="quant", bits=4, outliers=0.3)
+        cfg = lowrank_config(budget=0.5, memory=memory, segment=SEG, slow="quant", bits=4, outliers=0.3)
         cache = SemanticCache(model, config=cfg)
         prefill_and_compress(model, cache, ids)  # at the floor the run goes ahead rather than refusing
         b = cache.byte_counts()

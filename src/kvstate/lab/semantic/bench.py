@@ -98,7 +98,7 @@ def _context(router: SemanticRouter | None, segment: SegmentConfig, expand_share
 
 def compressed_cache(method: str, model: Any, tokenizer: Any, item: Item, budget: float,
                      router: SemanticRouter | None, segment: SegmentConfig,
-                     config: SemanticConfig | None = None, expand_share: float = 0.5,
+                     config: SemanticConfig | None = None, expand_share: float = 0.6,
                      slow_budget: float = SLOW_BUDGET, prefilled: Prefilled | None = None,
                      options: SekvOptions | None = None) -> Any:
     """A cache of ``method`` holding ``item``'s context, compressed (``full``: not compressed), from
@@ -223,7 +223,7 @@ def _run(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: S
 def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, items: Sequence[Item],
                 router: SemanticRouter | None, segment: SegmentConfig,
                 progress: Callable[[], None] | None = None, slow_log: list[dict[str, Any]] | None = None,
-                expand_share: float = 0.5, slow_budget: float = SLOW_BUDGET, journal: Journal | None = None,
+                expand_share: float = 0.6, slow_budget: float = SLOW_BUDGET, journal: Journal | None = None,
                 options: SekvOptions | None = None) -> tuple[list[Outcome], list[dict[str, Any]]]:
     """Answer every question of ``items`` under every in-process (method, budget) of ``runs``.
 
@@ -241,7 +241,7 @@ def run_methods(runs: Sequence[tuple[str, float]], model: Any, tokenizer: Any, i
 def run_method(method: str, model: Any, tokenizer: Any, items: Sequence[Item], budget: float,
                router: SemanticRouter | None, segment: SegmentConfig,
                progress: Callable[[], None] | None = None, config: SemanticConfig | None = None,
-               slow_log: list[dict[str, Any]] | None = None, expand_share: float = 0.5,
+               slow_log: list[dict[str, Any]] | None = None, expand_share: float = 0.6,
                slow_budget: float = SLOW_BUDGET) -> list[Outcome]:
     """Answer every question of ``items`` under one in-process method at one budget (a failed run raises).
 

@@ -90,7 +90,7 @@ def methods_command(
 def eval_command(
     model: Annotated[Path, typer.Option(help="Model directory.")],
     budget: Annotated[str, typer.Option(help="Budgets: (kept + read) bytes / full KV bytes of the tokens seen, "
-                                             "comma-separated.")] = "0.25,0.125,0.0625",
+                                             "comma-separated (default: the headline grid's 4:1 and 8:1).")] = "0.25,0.125",
     task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks, niah_4q: four questions on one "
                                            "compressed cache, and ppl: held-out perplexity, compress the context then "
                                            "continue).")] = "niah_single",
@@ -101,15 +101,15 @@ def eval_command(
     n: Annotated[int, typer.Option(min=1, help="Items per task and length.")] = 4,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the evaluation items (reported numbers: >= 1000).")] = 0,
     router: Annotated[Path | None, typer.Option(help="Router directory (default: <model>-sekv if it exists).")] = None,
-    recent: Annotated[int, typer.Option(min=0, help="Recent-window tokens kept at full resolution.")] = 32,
+    recent: Annotated[int, typer.Option(min=0, help="Recent-window tokens kept at full resolution.")] = 16,
     max_span: Annotated[int, typer.Option(min=3, help="Longest span (SEKV, SentenceKV).")] = 32,
     expand_share: Annotated[float, typer.Option(help="Share of the budget kept free at compression for expanded "
-                                                     "spans (SEKV, SentenceKV).")] = 0.5,
+                                                     "spans (SEKV, SentenceKV).")] = 0.6,
     slow_budget: Annotated[float, typer.Option(help="SEKV slow tier: bytes / raw span K/V bytes (0.375: every tier "
                                                     "within 0.5 x full KV at budget 0.125).")] = 0.375,
     memory: Annotated[float | None, typer.Option(help="SEKV: bytes held in every tier / full KV bytes (>= every "
                                                      "--budget); unset: the slow tier under --slow-budget.")] = None,
-    slow: Annotated[str, typer.Option(help="SEKV slow tier: lowrank or quant (KIVI-style).")] = "lowrank",
+    slow: Annotated[str, typer.Option(help="SEKV slow tier: lowrank or quant (KIVI-style).")] = "quant",
     bits: Annotated[int, typer.Option(help="SEKV --slow quant: bits per element, 2, 4, 8 or 16.")] = 4,
     kvpress_venv: Annotated[Path, typer.Option(help="Isolated kvpress environment (created if missing).")] = Path(".venv-kvpress"),
     save: Annotated[Path | None, typer.Option(

@@ -152,7 +152,8 @@ def train_step(model: Any, router: SemanticRouter, tokenizer: Any, cfg: TrainCon
     teacher = logits[0, tc:]  # (Tr, V): next-token predictions at the question / answer positions
     s = surprisal(logits[:, :tc], ids[:, :tc])  # (Tc,)
     cache = SemanticCache(model, router, SemanticConfig(budget=cfg.budget, segment=cfg.segment, zoom="soft",
-                                                        slow_budget=cfg.slow_budget))
+                                                        slow_budget=cfg.slow_budget, slow="lowrank",
+                                                        expand_share=0.5))  # the router trains the low-rank tier
     for layer in cache.semantic_layers:  # fill the full-resolution context from the teacher pass
         _, k, v = cap[layer.layer_idx]
         layer.update(k[:, :, :tc], v[:, :, :tc])

@@ -62,7 +62,7 @@ class SekvOptions:
     """SEKV's settings beside the read budget (the same for every SEKV method of a run)."""
 
     memory: float | None = None  # bytes held in every tier / full KV; None: the slow tier under slow_budget
-    slow: str = "lowrank"  # "lowrank" or "quant" (sekv_raw: always raw)
+    slow: str = "quant"  # "lowrank" or "quant" (sekv_raw: always raw); the default is the headline's 4-bit tier
     bits: int = 4  # slow="quant": 2, 4, 8 or 16
 
 
@@ -72,7 +72,7 @@ class Context:
 
     router: SemanticRouter | None
     segment: SegmentConfig
-    expand_share: float = 0.5
+    expand_share: float = 0.6
     slow_budget: float = SLOW_BUDGET
     options: SekvOptions = field(default_factory=SekvOptions)
     config: SemanticConfig | None = None  # replaces the proposed method's settings (e.g. the zoom="all" oracle)
