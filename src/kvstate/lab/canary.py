@@ -44,6 +44,14 @@ SUBSET = (
 )
 
 
+def commit() -> str:
+    """The commit the subset ran at (``+dirty`` when the work tree differs from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True)
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def versions(python: Path) -> dict[str, str]:
     code = ("import json, sys, torch, transformers; print(json.dumps({'transformers': transformers.__version__, "
             "'torch': torch.__version__, 'python': sys.version.split()[0]}))")
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     newest_py = install(main_env, fresh=True, venv=venv, lock=lock)
     lock_py = Path(sys.executable)
     record: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                              "command": "make canary", "subset": list(SUBSET)}
+                              "commit": commit(), "command": "make canary", "subset": list(SUBSET)}
     runs = {}
     for label, py in (("lock", lock_py), ("newest", newest_py)):
         print(f"canary: running the subset under {label} ({py})", flush=True)

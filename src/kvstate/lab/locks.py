@@ -113,15 +113,18 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def python_for(env: LockedEnv) -> str:
-    """An interpreter of the lock's Python version (this one, python3.X on PATH, or pyenv's)."""
+    """An interpreter of the lock's Python version that runs: this one, pyenv's, or python3.X on PATH (a pyenv
+    shim on PATH may name a version pyenv does not select, so each candidate is tried)."""
     if f"{sys.version_info.major}.{sys.version_info.minor}" == env.python:
         return sys.executable
-    found = shutil.which(f"python{env.python}")
-    if found:
-        return found
-    pyenv = sorted(Path("/root/.pyenv/versions").glob(f"{env.python}.*/bin/python"))
-    if pyenv:
-        return str(pyenv[-1])
+    candidates = [str(p) for p in sorted(Path("/root/.pyenv/versions").glob(f"{env.python}.*/bin/python"))]
+    candidates += [p for p in (shutil.which(f"python{env.python}"),) if p]
+    want = f"{env.python}\n"
+    for exe in candidates:
+        done = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                              text=True)
+        if done.returncode == 0 and done.stdout == want:
+            return exe
     raise LockError(f"{env.name} needs Python {env.python}: install python{env.python} or put it on PATH")
 
 

@@ -32,7 +32,7 @@ def test_bench_methods_must_be_registered_and_one_line_lists_them() -> None:
         BenchConfig(methods=("zip",))
     res = CliRunner().invoke(app, ["transfer", "bench", "--methods", "raw,zip", "--codec", "/nonexistent"])
     assert isinstance(res.exception, KVStateError) and "zip" in str(res.exception) and "raw" in str(res.exception)
-    assert BenchConfig().lengths == (1024, 4096, 8128)  # the TTFT grid's 1K / 4K / 8K (8K leaves answer room)
+    assert BenchConfig().lengths == (1024, 2048)  # the lengths the consumer solves (tests/lab/test_defaults.py)
 
 
 def test_methods_lists_the_registry() -> None:

@@ -134,8 +134,11 @@ def eval_command(
     from kvstate.lab.cli_output import check_results_out, print_json, table_console
     from kvstate.lab.depth.evaluate import SCORE_LENGTHS, evaluate_sharing
     from kvstate.lab.harness import MAX_EXAMPLES, check_lengths_fit
+    from kvstate.lab.lists import parse_floats
     from kvstate.models.loading import load_config
 
+    if keep is not None:  # a bad list is refused before any work
+        parse_floats(keep, "--keep", lo=0.0, lo_open=True, hi=1.0, example="1,0.75,0.5,0.25")
     if pattern_kind not in keep_families():
         FAMILIES.get(pattern_kind)  # unknown: refused listing the registry
         raise KVStateError(f"--pattern-kind {pattern_kind!r} has no pattern per kept fraction; choose one of "
