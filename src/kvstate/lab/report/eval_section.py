@@ -38,10 +38,12 @@ PAPER = "RULER: What's the Real Context Size of Your Long-Context Language Model
 
 
 def reference_dirs(models_dir: Path) -> list[Path]:
+    """The models ``kvstate train`` made (a training state beside the weights): the synthetic tasks are theirs; a
+    converted pretrained model (``kvstate models convert``) has a real tokenizer and gets real-text tasks."""
     if not models_dir.is_dir():
         return []
     return sorted(p for p in models_dir.iterdir() if (p / "config.json").is_file() and (p / "tokenizer.json").is_file()
-                  and not _is_depth_run(p))
+                  and (p / "training_state.json").is_file() and not _is_depth_run(p))
 
 
 def _is_depth_run(p: Path) -> bool:
