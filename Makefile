@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OUT ?= report
 # pure modules (no torch): mypy --strict
-PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py hashing.py) src/kvstate/serve/policy.py src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/depth/registry.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py
+PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py hashing.py) src/kvstate/serve/policy.py src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/depth/registry.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py src/kvstate/lab/locks.py src/kvstate/lab/canary.py
 
 .PHONY: setup demo test lint bench reproduce clean clients lock canary
 

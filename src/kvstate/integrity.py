@@ -38,7 +38,7 @@ _RESERVED = ("format", "kind", "files")
 RETRAIN = "restore it from its source or retrain"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -61,7 +61,7 @@ def write_manifest(directory: str | Path, *, kind: str = "model", files: Iterabl
         raise ValueError(f"write_manifest: meta keys {clash} are reserved for the manifest's own fields; rename them")
     names = sorted(files) if files is not None else [
         p.name for p in sorted(d.iterdir()) if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")]
-    listed = {n: {"sha256": _sha256(d / n), "bytes": (d / n).stat().st_size} for n in names}
+    listed = {n: {"sha256": sha256_file(d / n), "bytes": (d / n).stat().st_size} for n in names}
     manifest = {"format": FORMAT, "kind": kind, "files": listed, **meta}
     write_text_atomic(d / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
     return manifest
@@ -119,7 +119,7 @@ def read_manifest(directory: str | Path, *, kind: str | None = None, covers: Ite
         p = d / name
         if not p.is_file():
             raise IntegrityError(f"{str(p)!r} is listed in {MANIFEST} but missing; {remedy}")
-        if p.stat().st_size != want.get("bytes") or _sha256(p) != want.get("sha256"):
+        if p.stat().st_size != want.get("bytes") or sha256_file(p) != want.get("sha256"):
             raise IntegrityError(f"{str(p)!r} does not match its checksum in {MANIFEST} (changed, truncated or "
                                  f"corrupted after kvstate wrote it); {remedy}")
     return manifest

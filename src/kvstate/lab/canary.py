@@ -107,7 +107,7 @@ def differences(locked: dict[str, dict[str, str]], newest: dict[str, dict[str, s
 
 def append(record: dict[str, Any], path: Path = RESULTS) -> None:
     """Append ``record`` to ``path``'s ``runs`` (written aside, moved whole)."""
-    doc = json.loads(path.read_text()) if path.is_file() else {
+    doc: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {
         "what": "make canary: the exactness and integration subset on the locked environment and on the newest "
                 "transformers the registry serves (kvstate.lab.canary)", "runs": []}
     doc["runs"].append(record)

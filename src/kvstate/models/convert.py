@@ -13,7 +13,6 @@ source's sha256 and the check. A directory already converted from the same sourc
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from kvstate.errors import IntegrityError, KVStateError
-from kvstate.integrity import MANIFEST, read_manifest, write_manifest
+from kvstate.integrity import MANIFEST, read_manifest, sha256_file, write_manifest
 from kvstate.io_safety import staged_dir
 
 # the conversion's check: chats a reader can judge, greedy, through the chat template
@@ -53,14 +52,6 @@ CHECK_PROMPTS = (
 
 class ConversionError(KVStateError):
     """A GGUF file could not be converted, or a conversion on disk does not match its source."""
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def converted_from(out: Path) -> str | None:
