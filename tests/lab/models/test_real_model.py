@@ -125,3 +125,16 @@ def test_kvstate_serve_answers_a_real_chat_and_reuses_the_shared_prefix(real: tu
         assert cached >= len(tok(system)["input_ids"]) - 64
     finally:
         server.stop()
+
+
+def test_a_converted_model_is_not_a_synthetic_task_reference(tmp_path: Path) -> None:
+    from kvstate.lab.report.eval_section import reference_dirs
+
+    out = fake_conversion(tmp_path / "converted", "a" * 64)
+    (out / "config.json").write_text("{}")
+    write_manifest(out, kind="model", meta={"source": {"sha256": "a" * 64}, "conversion": {"command": "c"}})
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (trained / name).write_text("{}")
+    assert reference_dirs(tmp_path) == [trained]

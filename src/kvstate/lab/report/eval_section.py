@@ -11,6 +11,7 @@ model without the file, or whose file is stale, shows the command that regenerat
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +39,20 @@ PAPER = "RULER: What's the Real Context Size of Your Long-Context Language Model
 
 
 def reference_dirs(models_dir: Path) -> list[Path]:
-    """The models ``kvstate train`` made (a training state beside the weights): the synthetic tasks are theirs; a
-    converted pretrained model (``kvstate models convert``) has a real tokenizer and gets real-text tasks."""
+    """The reference models the synthetic tasks are for: not a converted pretrained model (``kvstate models
+    convert``: a real tokenizer, real-text tasks), not a depth fine-tune."""
     if not models_dir.is_dir():
         return []
     return sorted(p for p in models_dir.iterdir() if (p / "config.json").is_file() and (p / "tokenizer.json").is_file()
-                  and (p / "training_state.json").is_file() and not _is_depth_run(p))
+                  and not _is_converted(p) and not _is_depth_run(p))
+
+
+def _is_converted(p: Path) -> bool:
+    """A pretrained model converted by ``kvstate models convert`` (its manifest records the conversion)."""
+    try:
+        return "conversion" in json.loads((p / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _is_depth_run(p: Path) -> bool:
