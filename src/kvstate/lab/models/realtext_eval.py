@@ -1,6 +1,7 @@
 """The real model's full-cache score on the real-text needle tasks (:mod:`kvstate.lab.workloads.realtext`).
 
-One prefill per item, then greedy decoding through ``generate`` from that cache (``new_tokens`` tokens), the
+One prefill per item, then greedy decoding through ``generate`` from that cache (at least ``new_tokens`` tokens,
+more where the answers need it: a 7-digit number is 7 tokens here), the
 reply scored as RULER's ``string_match_all``; per (task, length) the mean with its 95% interval
 (:func:`kvstate.lab.stats.rate`) and the tasks the model solves (>= 0.9) or scores >= 0.5 on. Run as a module::
 
@@ -26,6 +27,13 @@ from kvstate.lab.workloads import realtext as rt
 SOLVED, USABLE = 0.9, 0.5
 
 
+def reply_budget(tokenizer: Any, item: rt.Item, floor: int) -> int:
+    """New tokens for ``item``'s reply: ``floor``, or room for every answer (this tokenizer writes a digit per
+    token) beside a short sentence, whichever is larger."""
+    need = sum(len(tokenizer(" " + a)["input_ids"]) + 2 for a in item.answers) + 24
+    return max(floor, need)
+
+
 @torch.no_grad()
 def reply(model: Any, tokenizer: Any, item: rt.Item, new_tokens: int) -> str:
     ids = torch.tensor([item.prompt_ids])
@@ -46,7 +54,7 @@ def evaluate(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequence
             for task in tasks:
                 item = rt.make_item(tokenizer, task, length, seed, i)
                 t = time.perf_counter()
-                text = reply(model, tokenizer, item, new_tokens)
+                text = reply(model, tokenizer, item, reply_budget(tokenizer, item, new_tokens))
                 rows.append({"task": task, "length": length, "index": i, "depth": round(item.depth, 3),
                              "score": item.score(text), "answers": list(item.answers), "reply": text,
                              "seconds": round(time.perf_counter() - t, 2)})
