@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvstate.lab.scoring import string_match_all
 from kvstate.lab.workloads import realtext as rt
 
 SOLVED, USABLE = 0.9, 0.5
@@ -56,7 +57,7 @@ def evaluate(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequence
                 t = time.perf_counter()
                 text = reply(model, tokenizer, item, reply_budget(tokenizer, item, new_tokens))
                 rows.append({"task": task, "length": length, "index": i, "depth": round(item.depth, 3),
-                             "score": item.score(text), "answers": list(item.answers), "reply": text,
+                             "score": string_match_all(text, item.answers), "answers": list(item.answers), "reply": text,
                              "seconds": round(time.perf_counter() - t, 2)})
                 if progress:
                     progress(f"{length:,} tokens, item {i + 1}/{n}, {task}: {rows[-1]['score']:.2f} "

@@ -18,8 +18,9 @@ al. 2024, with its needle sentence "One of the special magic numbers for KEY is:
 
 An item is one user message (context, then the question) through the tokenizer's chat template with the
 generation prompt; its length is the whole prompt's token count, filled with haystack sentences up to ``length``
-(at most ``length``, within :data:`FIT_SLACK` below it: the haystack is cut at a word). A reply is scored as RULER's ``string_match_all``: the
-fraction of the expected numbers / names found as whole words in the greedy reply. Item ``i`` of ``(task, length,
+(at most ``length``, within :data:`FIT_SLACK` below it: the haystack is cut at a word). A reply is scored as RULER's
+``string_match_all`` (:mod:`kvstate.lab.scoring`, by the evaluator): the fraction of :attr:`Item.answers` found as
+whole words in the greedy reply. Item ``i`` of ``(task, length,
 seed)`` depends on nothing else. Ignored: RULER's essay haystack and its word / UUID keys (keys here are names,
 values 7-digit numbers), the aggregation and QA tasks (``fwe``, ``cwe``, ``qa``).
 """
@@ -36,8 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from kvstate.lab.scoring import string_match_all
 
 SOURCE_DIR = Path("/usr/share/common-licenses")
 HAYSTACK = ("GPL-3", "GPL-2", "LGPL-2.1", "LGPL-3", "GFDL-1.3", "MPL-1.1", "Artistic")
@@ -63,9 +62,6 @@ class Item:
     prompt_ids: tuple[int, ...]  # the whole chat prompt, generation prompt included
     answers: tuple[str, ...]  # every one must appear in the reply
     depth: float  # relative position of the (first) needle in the context
-
-    def score(self, reply: str) -> float:
-        return string_match_all(reply, self.answers)
 
 
 def _sentences(names: Sequence[str], source: Path) -> list[str]:
