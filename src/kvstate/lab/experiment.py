@@ -15,6 +15,11 @@ repeats; :func:`run` calls one measuring function per cell and
 - runs timing cells as **interleaved repeats** (the method order rotates each repeat) and refuses a timing
   experiment with fewer than ``MIN_REPEATS`` repeats before it starts.
 
+Two orders, one result schema: :func:`run` is method-major (one call per cell); :func:`run_items` is
+**item-major** — one call per item returns every method's score on it, so one prefill of the item serves every
+method — and journals each finished item beside the result file (:mod:`kvstate.lab.journal`), so an interrupted
+run resumes where it stopped. Both end in the same rows, pooling and decisions.
+
 Each decision carries what a report row needs (``seeds``, ``n``, ``tasks``, ``excluded_tasks``; timing:
 ``repeats`` and ``ci``): :func:`headline_fields` hands them to :func:`kvstate.lab.report.html.artifact_row`.
 The statistics are :mod:`kvstate.lab.stats` (the papers are those its intervals come from: Wilson 1927,
@@ -297,6 +302,106 @@ def run(e: Experiment, measure: Callable[[Cell], Measurement], *, out: Path | No
     return {**result, "provenance": prov}
 
 
+@dataclass(frozen=True)
+class Item:
+    """One item of an item-major quality experiment: every method is scored on it from one prefill."""
+
+    seed: int
+    length: int
+    task: str
+    index: int
+
+    @property
+    def unit(self) -> str:
+        """The item's name in the run's journal."""
+        return f"{self.seed}/{self.length}/{self.task}/{self.index}"
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What an item-major measuring function returns: one score in [0, 1] per method of the experiment, and
+    anything worth keeping about the item (its reply, depth, seconds; JSON values) in ``extra``."""
+
+    scores: Mapping[str, float]
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def items(e: Experiment) -> list[Item]:
+    """Every item in run order: seed, length, item index, then the tasks (interleaved, so a run cut short
+    has touched every task)."""
+    return [Item(seed, length, task, i) for seed in e.seeds for length in e.lengths for i in range(e.n)
+            for task in e.tasks]
+
+
+def _check_item(e: Experiment, item: Item, got: Any) -> dict[str, Any]:
+    if not isinstance(got, ItemResult):
+        raise KVStateError(f"experiment {e.name!r}: the item function returned {type(got).__name__} for {item}; "
+                           "return an ItemResult(scores={method: score, ...})")
+    if set(got.scores) != set(e.methods):
+        raise KVStateError(f"experiment {e.name!r}: item {item.unit} scored methods {sorted(got.scores)}; "
+                           f"an item scores every method of the experiment: {list(e.methods)}")
+    bad = {m: v for m, v in got.scores.items() if not 0.0 <= float(v) <= 1.0}
+    if bad:
+        raise KVStateError(f"experiment {e.name!r}: item {item.unit} scores {bad} are outside [0, 1]")
+    return {"scores": {m: float(got.scores[m]) for m in e.methods}, "extra": dict(got.extra)}
+
+
+def run_items(e: Experiment, measure_item: Callable[[Item], ItemResult], *, out: Path | None = None,
+              overwrite: bool = False, command: str | None = None, progress: bool = False,
+              say: Callable[[str], None] | None = None,
+              appendix: Callable[[Any], Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Item-major :func:`run` for a quality experiment: ``measure_item`` scores every method on one item.
+
+    Each finished item is journaled beside ``out`` (a rerun of the same experiment, code and models resumes;
+    another's journal is moved aside, never mixed in). The result is :func:`run`'s document plus ``items``
+    (one record per item: its identity, every method's score and its ``extra``). ``appendix(journal)``, run after
+    the items, returns measurements that are not rates (held-out perplexity): they go into the result under
+    ``appendix``, journaled by the caller through :func:`kvstate.lab.journal.once` if it likes.
+    """
+    from kvstate.lab.cli_output import check_results_out, write_results
+    from kvstate.lab.journal import open_journal
+    from kvstate.lab.progress import progress_bar
+
+    check_experiment(e)
+    if e.kind != "quality":
+        raise KVStateError(f"experiment {e.name!r}: run_items measures quality; time a {e.kind} experiment with run()")
+    rec = recorder(e, command)
+    if out is not None:
+        check_results_out(out, overwrite=overwrite)
+        preflight(out, rec.finish())
+    journal = open_journal(out, {**asdict(e), "settings": dict(e.settings)}, e.code, e.models,
+                           say or (lambda _m: None))
+    todo = items(e)
+    records: list[dict[str, Any]] = []
+    with progress_bar(e.name, len(todo), enabled=progress, unit="items") as bar:
+        for item in todo:
+            got = journal.get(item.unit) if journal is not None else None
+            if got is None:
+                got = _check_item(e, item, measure_item(item))
+                if journal is not None:
+                    journal.put(item.unit, got)
+            records.append({**asdict(item), **got})
+            bar.advance()
+    per_cell: dict[tuple[str, str, int, int], list[float]] = {}
+    for r in records:
+        for m, v in r["scores"].items():
+            per_cell.setdefault((m, r["task"], r["length"], r["seed"]), []).append(float(v))
+    results = {Cell(m, t, L, s, 0, e.n): Measurement(v) for (m, t, L, s), v in per_cell.items()}
+    rows = _rows(e, results)
+    pool = pooled(e, rows)
+    decisions = [decide_target(e, t, rows, pool) for t in e.targets]
+    result: dict[str, Any] = {"experiment": {**asdict(e), "settings": dict(e.settings)}, "rows": rows,
+                              "pooled": pool, "decisions": decisions, "items": records}
+    if appendix is not None:
+        result["appendix"] = dict(appendix(journal))
+    prov = rec.finish() if journal is None else journal.stamp(rec.finish())
+    if out is not None:
+        write_results(out, result, prov, overwrite=overwrite)
+    if journal is not None:
+        journal.close()
+    return {**result, "provenance": prov}
+
+
 def _check_measurement(e: Experiment, c: Cell, got: Measurement) -> None:
     if not isinstance(got, Measurement):
         raise KVStateError(f"experiment {e.name!r}: the measuring function returned {type(got).__name__} for {c}; "
@@ -323,5 +428,6 @@ def decisions_of(run_doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return {str(d["label"]): dict(d) for d in run_doc.get("decisions") or []}
 
 
-__all__ = ["AXES", "ROW_KEYS", "Cell", "Experiment", "Measurement", "Target", "cells", "check_experiment",
-           "decide_target", "decisions_of", "headline_fields", "pooled", "preflight", "recorder", "run"]
+__all__ = ["AXES", "ROW_KEYS", "Cell", "Experiment", "Item", "ItemResult", "Measurement", "Target", "cells",
+           "check_experiment", "decide_target", "decisions_of", "headline_fields", "items", "pooled", "preflight",
+           "recorder", "run", "run_items"]

@@ -1,14 +1,17 @@
 """The real model's full-cache score on the real-text needle tasks (:mod:`kvstate.lab.workloads.realtext`).
 
 One prefill per item, then greedy decoding through ``generate`` from that cache (at least ``new_tokens`` tokens,
-more where the answers need it: a 7-digit number is 7 tokens here), the
-reply scored as RULER's ``string_match_all``; per (task, length) the mean with its 95% interval
-(:func:`kvstate.lab.stats.rate`) and the tasks the model solves (>= 0.9) or scores >= 0.5 on. Run as a module::
+more where the answers need it: a 7-digit number is 7 tokens here), the reply scored as RULER's
+``string_match_all``. The run goes through the lab's item-major loop (:func:`kvstate.lab.experiment.run_items`:
+the seed ledger before any work, a journal so an interrupted run resumes, one row schema with intervals), and
+adds the held-out perplexity (disjoint licence texts, never haystack) as its appendix. :func:`summary` names the
+cells the model solves (>= 0.9) and those it scores >= 0.5 on. Run as a module::
 
-    python -m kvstate.lab.models.realtext_eval --length 1024,2048 --n 8 --seed 7 \\
-        --out docs/results/smollm2_realtext_pilot.json
+    python -m kvstate.lab.models.realtext_eval --length 1024 --n 100 --seed 1053 \\
+        --out models/smollm2/realtext_1024.json
 
-A pilot on a dev seed sizes the reference table (>= 100 items per cell on a test seed, in ``models/``).
+A pilot on a dev seed (``--out docs/results/...``) sizes the reference table (>= 100 items per cell on a test
+seed, in ``models/``).
 """
 
 from __future__ import annotations
@@ -43,41 +46,69 @@ def reply(model: Any, tokenizer: Any, item: rt.Item, new_tokens: int) -> str:
     return str(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
 
-def evaluate(model: Any, tokenizer: Any, tasks: Sequence[str], lengths: Sequence[int], n: int, seed: int, *,
-             new_tokens: int = 48, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """``{"cells": [per (task, length): mean, ci, n], "items": [per item: task, length, index, depth, score,
-    reply], "solved": [...], "usable": [...]}``; items interleaved over tasks within a length."""
-    from kvstate.lab.stats import rate
+EXPERIMENT, METHOD = "realtext-reference", "full-cache"
+PPL_WINDOWS = 8  # held-out perplexity: at most this many disjoint windows per length
 
-    rows: list[dict[str, Any]] = []
+
+def score_item(model: Any, tokenizer: Any, item: rt.Item, new_tokens: int) -> tuple[float, dict[str, Any]]:
+    """One item's ``string_match_all`` score and what is kept about it (depth, answers, reply, seconds)."""
+    t = time.perf_counter()
+    text = reply(model, tokenizer, item, reply_budget(tokenizer, item, new_tokens))
+    return string_match_all(text, item.answers), {"depth": round(item.depth, 3), "answers": list(item.answers),
+                                                  "reply": text, "seconds": round(time.perf_counter() - t, 2)}
+
+
+def plan(model_dir: Path, tasks: Sequence[str], lengths: Sequence[int], n: int, seed: int,
+         new_tokens: int) -> Any:
+    """The reference experiment: the model's full cache on ``tasks`` x ``lengths``, ``n`` items per cell."""
+    from kvstate.lab.experiment import Experiment
+
+    return Experiment(axis="reference", name=EXPERIMENT, methods=(METHOD,), seeds=(seed,), tasks=tuple(tasks),
+                      lengths=tuple(lengths), n=n,
+                      code=("models", "lab/workloads/realtext.py", "lab/models/realtext_eval.py", "lab/scoring.py",
+                            "lab/perplexity.py"),
+                      models=(str(model_dir),),
+                      settings={"new_tokens": new_tokens, "source": rt.SOURCE, "threads": 1, "dtype": "float32",
+                                "ppl_windows": PPL_WINDOWS})
+
+
+@torch.no_grad()
+def held_out_perplexity(model: Any, tokenizer: Any, lengths: Sequence[int], journal: Any = None) -> dict[str, Any]:
+    """Per length: perplexity over up to :data:`PPL_WINDOWS` disjoint ``length``-token windows of the held-out
+    licence texts (never haystack), with a bootstrap interval over windows."""
+    from kvstate.lab.journal import once
+    from kvstate.lab.perplexity import continuation_nll
+    from kvstate.lab.stats import perplexity
+
+    ids = tokenizer(rt.held_out_text())["input_ids"]
+    out: dict[str, Any] = {"source": list(rt.HELD_OUT), "tokens": len(ids), "lengths": {}}
     for length in lengths:
-        for i in range(n):
-            for task in tasks:
-                item = rt.make_item(tokenizer, task, length, seed, i)
-                t = time.perf_counter()
-                text = reply(model, tokenizer, item, reply_budget(tokenizer, item, new_tokens))
-                rows.append({"task": task, "length": length, "index": i, "depth": round(item.depth, 3),
-                             "score": string_match_all(text, item.answers), "answers": list(item.answers), "reply": text,
-                             "seconds": round(time.perf_counter() - t, 2)})
-                if progress:
-                    progress(f"{length:,} tokens, item {i + 1}/{n}, {task}: {rows[-1]['score']:.2f} "
-                             f"({rows[-1]['seconds']} s) {text[:60]!r}")
-    cells = []
-    for length in lengths:
-        for task in tasks:
-            est = rate([r["score"] for r in rows if r["task"] == task and r["length"] == length])
-            cells.append({"task": task, "length": length, "mean": round(est.value, 4),
-                          "ci": [round(est.lo, 4), round(est.hi, 4)], "n": est.n})
-    return {"cells": cells, "items": rows,
-            "solved": [f"{c['task']}@{c['length']}" for c in cells if c["mean"] >= SOLVED],
+        windows = [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)][:PPL_WINDOWS]
+        rows = [once(journal, f"ppl/{length}/{k}", lambda w=w: dict(vars(continuation_nll(model, w))))
+                for k, w in enumerate(windows)]
+        if not rows:
+            out["lengths"][str(length)] = {"windows": 0, "why": f"the held-out text has {len(ids)} tokens"}
+            continue
+        est = perplexity([r["nll"] for r in rows], [r["tokens"] for r in rows])
+        out["lengths"][str(length)] = {"windows": len(rows), "ppl": round(est.value, 4),
+                                       "ci": [round(est.lo, 4), round(est.hi, 4)]}
+    return out
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """The reference table of a result: per (task, length) mean, interval and n; the solved and usable cells."""
+    cells = [{"task": r["task"], "length": r["length"], "mean": round(r["value"], 4),
+              "ci": [round(r["ci"][0], 4), round(r["ci"][1], 4)], "n": r["n"], "seed": r["seed"]}
+             for r in doc["rows"] if r["method"] == METHOD]
+    return {"cells": cells, "solved": [f"{c['task']}@{c['length']}" for c in cells if c["mean"] >= SOLVED],
             "usable": [f"{c['task']}@{c['length']}" for c in cells if c["mean"] >= USABLE]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvstate.lab.cli_output import write_results
+    from kvstate.errors import KVStateError
+    from kvstate.lab.experiment import ItemResult, run_items
     from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.lab.models.cli import REAL_MODEL, missing_hint
-    from kvstate.lab.provenance import Recorder
     from kvstate.models.loading import load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m kvstate.lab.models.realtext_eval", description=__doc__.split("\n\n")[0])
@@ -87,26 +118,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--no-ppl", action="store_true", help="skip the held-out perplexity")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     if not (args.model / "config.json").is_file():
         print(f"error: {missing_hint(args.model)}", file=sys.stderr)
         return 2
-    tasks = parse_names(args.task, "--task", rt.TASKS)
-    lengths = parse_ints(args.length, "--length", lo=128, example="1024,2048")
-    torch.set_num_threads(1)
-    rec = Recorder(code=("models", "lab/workloads/realtext.py", "lab/models/realtext_eval.py", "lab/scoring.py"),
-                   models=[args.model], n=args.n, seeds=[args.seed], tasks=tasks, lengths=lengths,
-                   settings={"new_tokens": args.new_tokens, "source": rt.SOURCE, "threads": 1, "dtype": "float32",
-                             "kind": "quality", "pilot": args.seed < 1000})
-    model, tok = load_model(args.model, torch.float32), load_tokenizer(args.model)
-    result = evaluate(model, tok, tasks, lengths, args.n, args.seed, new_tokens=args.new_tokens,
-                      progress=lambda m: print(f"realtext: {m}", file=sys.stderr, flush=True))
-    for c in result["cells"]:
+    try:
+        tasks = parse_names(args.task, "--task", rt.TASKS)
+        lengths = parse_ints(args.length, "--length", lo=128, example="1024,2048")
+        e = plan(args.model, tasks, lengths, args.n, args.seed, args.new_tokens)
+        torch.set_num_threads(1)
+        model, tok = load_model(args.model, torch.float32), load_tokenizer(args.model)
+
+        def say(m: str) -> None:
+            print(f"realtext: {m}", file=sys.stderr, flush=True)
+
+        def measure(item: Any) -> Any:
+            x = rt.make_item(tok, item.task, item.length, item.seed, item.index)
+            score, extra = score_item(model, tok, x, args.new_tokens)
+            say(f"{item.length:,} tokens, item {item.index + 1}/{args.n}, {item.task}: {score:.2f} "
+                f"({extra['seconds']} s) {extra['reply'][:60]!r}")
+            return ItemResult({METHOD: score}, extra)
+
+        doc = run_items(e, measure, out=args.out, overwrite=args.overwrite, say=say,
+                        command=" ".join(["python -m kvstate.lab.models.realtext_eval", *(argv or sys.argv[1:])]),
+                        appendix=None if args.no_ppl else
+                        (lambda j: {"perplexity": held_out_perplexity(model, tok, lengths, j)}))
+    except KVStateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for c in summary(doc)["cells"]:
         print(f"{c['task']:>16} @ {c['length']:>5}: {c['mean']:.3f} [{c['ci'][0]:.3f}, {c['ci'][1]:.3f}] n={c['n']}",
               file=sys.stderr)
-    if args.out is not None:
-        write_results(args.out, {"model": str(args.model), **result}, rec.finish(), overwrite=False)
+    for L, p in (doc.get("appendix") or {}).get("perplexity", {}).get("lengths", {}).items():
+        print(f"held-out perplexity @ {L}: {p.get('ppl')} {p.get('ci')} over {p['windows']} windows", file=sys.stderr)
     return 0
 
 
