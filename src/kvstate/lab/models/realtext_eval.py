@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,11 @@ def held_out_perplexity(model: Any, tokenizer: Any, lengths: Sequence[int], jour
     out: dict[str, Any] = {"source": list(rt.HELD_OUT), "tokens": len(ids), "lengths": {}}
     for length in lengths:
         windows = [ids[i:i + length] for i in range(0, len(ids) - length + 1, length)][:PPL_WINDOWS]
-        rows = [once(journal, f"ppl/{length}/{k}", lambda w=w: dict(vars(continuation_nll(model, w))))
-                for k, w in enumerate(windows)]
+
+        def nll(w: list[int]) -> dict[str, Any]:
+            return dict(vars(continuation_nll(model, w)))
+
+        rows = [once(journal, f"ppl/{length}/{k}", partial(nll, w)) for k, w in enumerate(windows)]
         if not rows:
             out["lengths"][str(length)] = {"windows": 0, "why": f"the held-out text has {len(ids)} tokens"}
             continue
