@@ -182,6 +182,16 @@ def preflight(out: Path, provenance: Mapping[str, Any]) -> None:
                          root / ledger.LEDGER_NAME)
 
 
+def check_out(e: Experiment, out: Path | None, *, overwrite: bool = False) -> None:
+    """Everything :func:`run` / :func:`run_items` refuse before any work — the output file and the seed ledger —
+    for a caller to call before it loads any weights."""
+    from kvstate.lab.cli_output import check_results_out
+
+    if out is not None:
+        check_results_out(out, overwrite=overwrite)
+        preflight(out, recorder(e).finish())
+
+
 def _key(task: str, length: int) -> str:
     return task if length == NO_LENGTH else f"{task}@{length}"
 
@@ -274,13 +284,11 @@ def run(e: Experiment, measure: Callable[[Cell], Measurement], *, out: Path | No
     for a changed method is refused with one line naming the ledger entry). Returns the result document
     (``experiment``, ``rows``, ``pooled``, ``decisions``) with ``provenance`` beside it.
     """
-    from kvstate.lab.cli_output import check_results_out, write_results
+    from kvstate.lab.cli_output import write_results
 
     check_experiment(e)
     rec = recorder(e, command)
-    if out is not None:
-        check_results_out(out, overwrite=overwrite)
-        preflight(out, rec.finish())
+    check_out(e, out, overwrite=overwrite)
     from kvstate.lab.progress import progress_bar
 
     todo = cells(e)
@@ -358,7 +366,7 @@ def run_items(e: Experiment, measure_item: Callable[[Item], ItemResult], *, out:
     the items, returns measurements that are not rates (held-out perplexity): they go into the result under
     ``appendix``, journaled by the caller through :func:`kvstate.lab.journal.once` if it likes.
     """
-    from kvstate.lab.cli_output import check_results_out, write_results
+    from kvstate.lab.cli_output import write_results
     from kvstate.lab.journal import open_journal
     from kvstate.lab.progress import progress_bar
 
@@ -366,9 +374,7 @@ def run_items(e: Experiment, measure_item: Callable[[Item], ItemResult], *, out:
     if e.kind != "quality":
         raise KVStateError(f"experiment {e.name!r}: run_items measures quality; time a {e.kind} experiment with run()")
     rec = recorder(e, command)
-    if out is not None:
-        check_results_out(out, overwrite=overwrite)
-        preflight(out, rec.finish())
+    check_out(e, out, overwrite=overwrite)
     journal = open_journal(out, {**asdict(e), "settings": dict(e.settings)}, e.code, e.models,
                            say or (lambda _m: None))
     todo = items(e)
@@ -429,5 +435,5 @@ def decisions_of(run_doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 __all__ = ["AXES", "ROW_KEYS", "Cell", "Experiment", "Item", "ItemResult", "Measurement", "Target", "cells",
-           "check_experiment", "decide_target", "decisions_of", "headline_fields", "items", "pooled", "preflight",
-           "recorder", "run", "run_items"]
+           "check_experiment", "check_out", "decide_target", "decisions_of", "headline_fields", "items", "pooled",
+           "preflight", "recorder", "run", "run_items"]

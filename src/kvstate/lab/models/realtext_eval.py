@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +110,7 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from kvstate.errors import KVStateError
-    from kvstate.lab.experiment import ItemResult, run_items
+    from kvstate.lab.experiment import ItemResult, check_out, run_items
     from kvstate.lab.lists import parse_ints, parse_names
     from kvstate.lab.models.cli import REAL_MODEL, missing_hint
     from kvstate.models.loading import load_model, load_tokenizer
@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         tasks = parse_names(args.task, "--task", rt.TASKS)
         lengths = parse_ints(args.length, "--length", lo=128, example="1024,2048")
         e = plan(args.model, tasks, lengths, args.n, args.seed, args.new_tokens)
+        check_out(e, args.out, overwrite=args.overwrite)
         torch.set_num_threads(1)
         model, tok = load_model(args.model, torch.float32), load_tokenizer(args.model)
 
