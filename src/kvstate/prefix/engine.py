@@ -40,11 +40,15 @@ from kvstate.models import (
 )
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.events import CacheEvents
+from kvstate.prefix.hashing import path_hash
 from kvstate.prefix.placement import Placement, plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
 from kvstate.prefix.segments import build_cache, kv_segment, split_segment, to_device
 from kvstate.prefix.shared_tier import Layout, RemoteMetrics, SharedTier, layout_of, load_key
 from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
+
+# the attribute a cache handed out carries: (tokens it covers, their path hash), checked by insert()
+TOKEN_PATH = "token_path"
 
 
 @dataclass
@@ -257,9 +261,24 @@ class SparsePrefixCache:
             )
         return input_ids, tuple(int(t) for t in input_ids[0].tolist())
 
-    def _tagged(self, cache: ResumableCache) -> ResumableCache:
+    def _tagged(self, cache: ResumableCache, tokens: tuple[int, ...], covered: int) -> ResumableCache:
+        """Tag a cache handed out with this model and the tokens it covers (``insert`` checks both)."""
         cache.origin = self.fingerprint
+        setattr(cache, TOKEN_PATH, (covered, path_hash(self.fingerprint, tokens[:covered])))
         return cache
+
+    def _check_path(self, cache: Any, tokens: tuple[int, ...]) -> None:
+        """Refuse a cache filed under tokens other than those it was computed for (as the shared tier refuses
+        an entry whose token-path hash differs): its recorded path must be a prefix of ``tokens``."""
+        recorded = getattr(cache, TOKEN_PATH, None)
+        if recorded is None:
+            return
+        covered, digest = recorded
+        if covered > len(tokens) or path_hash(self.fingerprint, tokens[:covered]) != digest:
+            raise KVStateError(
+                f"insert: the cache was computed for other tokens than the first {covered} of input_ids; insert "
+                "a cache under the ids it was prefilled for (plus what generate appended)."
+            )
 
     def _resume_remote(
         self, tokens: tuple[int, ...], start: int, cands: set[int]
@@ -320,7 +339,8 @@ class SparsePrefixCache:
             if hit.full:  # nothing to compute or insert: the stored logits and end state
                 try:
                     logits = txn.logits.to(self._device, copy=True)
-                    served = PrefillResult(logits, self._tagged(self._restore(txn, end)), n, 0, 0, 0, ones)
+                    cache_out = self._tagged(self._restore(txn, end), tokens, end)
+                    served = PrefillResult(logits, cache_out, n, 0, 0, 0, ones)
                 except BaseException:
                     self.store.abort(txn)
                     raise
@@ -397,7 +417,7 @@ class SparsePrefixCache:
             self._shared.write(tokens, start, live, {p: out.snapshots[p] for p in cuts}, n)
         return PrefillResult(
             logits=out.logits,
-            cache=self._tagged(result_cache),
+            cache=self._tagged(result_cache, tokens, end),
             reused_tokens=start,
             recomputed_tokens=n - start,
             new_tokens=n - hit.overlap,
@@ -412,12 +432,14 @@ class SparsePrefixCache:
         sequence). Returns False when it did not fit the budget (the store is then unchanged).
 
         The cache must carry this model's fingerprint (``cache.origin``: every cache :meth:`prefill` returns
-        does, and ``generate`` keeps it); ``trusted=True`` takes a cache you filled with this model yourself."""
+        does, and ``generate`` keeps it); ``trusted=True`` takes a cache you filled with this model yourself.
+        A cache :meth:`prefill` returned also records the tokens it covers: ``input_ids`` must start with them."""
         input_ids, tokens = self._tokens(input_ids, None)
         covered = len(tokens) - 1 if covered is None else int(covered)
         if not 0 < covered <= len(tokens):
             raise KVStateError(f"covered={covered} must be in 1..{len(tokens)} (the tokens the cache holds).")
         self._check_cache(cache, covered)
+        self._check_path(cache, tokens)
         origin = cache.origin if isinstance(cache, ResumableCache) else None
         if not trusted and origin != self.fingerprint:
             got = "carries no origin" if origin is None else f"was filled by model {origin[:12]}…"

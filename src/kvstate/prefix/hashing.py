@@ -28,3 +28,12 @@ def state_hash(hashes: list[bytes], tokens: Sequence[int], p: int, align: int) -
     full = p // align
     tail = struct.pack(f"<{p - full * align}q", *tokens[full * align : p])
     return hashlib.sha256(hashes[full] + tail + struct.pack("<q", p)).hexdigest()
+
+
+def path_hash(seed: str, tokens: Sequence[int]) -> str:
+    """The hash of one whole token path (``seed`` then every token, little-endian int64), in hex: what a cache
+    the local store hands out records, so that inserting it under other tokens is refused."""
+    h = hashlib.sha256(seed.encode())
+    h.update(struct.pack("<q", len(tokens)))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.hexdigest()

@@ -49,6 +49,7 @@ from kvstate.models import (
     restore_cache,
     snapshot_cache,
 )
+from kvstate.prefix.engine import TOKEN_PATH
 
 RequestId = Hashable  # whatever the server names a request by (a string, an int)
 
@@ -78,6 +79,7 @@ class DecodeBatch:
         self._rows: list[RequestId] = []  # row order of the batched cache
         self._lengths: list[int] = []  # tokens each row's state covers (its next position)
         self._origins: list[str | None] = []  # the model fingerprint each row's cache carried in
+        self._paths: list[tuple[int, str] | None] = []  # the token path each row's cache carried in
         self._cache: DynamicCache | None = None  # None while the batch is empty
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)  # (B, Lmax): 0 on left pads
         self._broken: str | None = None  # why the batched state was lost (a forward that raised)
@@ -140,6 +142,7 @@ class DecodeBatch:
         self._rows.append(rid)
         self._lengths.append(length)
         self._origins.append(getattr(cache, "origin", None))
+        self._paths.append(getattr(cache, TOKEN_PATH, None))
 
     def remove(self, rid: RequestId) -> None:
         """The row leaves the batch now; left padding that no remaining row needs is trimmed. Removing the
@@ -152,7 +155,7 @@ class DecodeBatch:
             self._mask = self._mask[:0, :0]
         elif self._broken is None:
             self._install([_select(self._snapshot(), keep)], lengths)
-        del self._rows[i], self._origins[i]
+        del self._rows[i], self._origins[i], self._paths[i]
         self._lengths = lengths
 
     @torch.no_grad()
@@ -210,6 +213,8 @@ class DecodeBatch:
         row = _select(self._snapshot(), [i])
         cache = restore_cache(self.model.config, _last(row, n), n)
         cache.origin = self._origins[i]
+        if self._paths[i] is not None:
+            setattr(cache, TOKEN_PATH, self._paths[i])
         return cache
 
     # -- internals ----------------------------------------------------------------------------------

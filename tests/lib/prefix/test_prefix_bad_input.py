@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvstate.errors import KVStateError
+from kvstate.models import segmented_prefill
 from kvstate.prefix.engine import SparsePrefixCache
 from tests.conftest import get_model, random_ids
 
@@ -50,3 +51,28 @@ def test_insert_refuses_a_cache_another_model_built() -> None:
         cache.insert(ids, foreign)
     assert cache.metrics.requests == 0 and cache.store.nodes() == []
     assert cache.insert(ids, cache.prefill(ids).cache)  # its own is accepted
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3", "mamba2"])
+def test_insert_refuses_a_cache_computed_for_other_tokens_and_a_right_insert_hits_exactly(family: str) -> None:
+    model = get_model(family)
+    cache = SparsePrefixCache(model, 16 * MiB, slots_per_entry=2, align=8)
+    x, y = random_ids(20, seed=5), random_ids(20, seed=6)
+    of_x = cache.prefill(x).cache  # holds x's first 19 tokens
+    before, nodes = cache.metrics, len(cache.store.nodes())
+    with pytest.raises(KVStateError, match=r"insert: the cache was computed for other tokens than the first 19"):
+        cache.insert(y, of_x)
+    assert cache.metrics == before and len(cache.store.nodes()) == nodes
+    # nothing of x was filed under y: y's next request is exact
+    tail = random_ids(6, seed=7)
+    y_next = torch.cat([y, tail], 1)
+    res = cache.prefill(y_next)
+    assert float((res.logits - segmented_prefill(model, y_next).logits).abs().max()) < 1e-4
+    # x's cache under x plus a continuation (what generate appends) is accepted and the next hit is exact
+    out = model.generate(x, cache=of_x, attention_mask=torch.ones_like(x), max_new_tokens=4, min_new_tokens=4,
+                         do_sample=False, pad_token_id=0)
+    assert cache.insert(out, of_x)
+    x_next = torch.cat([out, tail], 1)
+    hit = cache.prefill(x_next)
+    assert hit.reused_tokens == out.shape[1] - 1
+    assert float((hit.logits - segmented_prefill(model, x_next).logits).abs().max()) < 1e-4

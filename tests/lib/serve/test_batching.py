@@ -185,6 +185,9 @@ def test_cache_of_continues_like_the_lone_cache(name):
             torch.testing.assert_close(batched[rid], want_logits[3], atol=ATOL, rtol=0)
     # the prefix cache takes a padded row's cache back (prompt + the 4 tokens fed); a next turn resumes there
     covered = prompts["d"] + _alone(model, prompts["d"], 4)[0][:4]
+    other = [(t + 1) % _vocab(model) for t in covered]  # the row's cache keeps the tokens it was prefilled for
+    with pytest.raises(KVStateError, match="computed for other tokens"):
+        pc.insert(torch.tensor([[*other, 0]]), batch.cache_of("d"), covered=len(covered))
     assert pc.insert(torch.tensor([[*covered, 0]]), batch.cache_of("d"), covered=len(covered))
     assert pc.lookup(torch.tensor([[*covered, 3, 4]]), full_state=True).position == len(covered)
 
