@@ -69,6 +69,12 @@ class CacheEvents:
             self._seq += 1
             self._log.append(CacheEvent(self._seq, time.time(), event, *made))
 
+    @property
+    def head(self) -> int:
+        """The sequence number of the newest event (0 before any): a cursor past it is not from this log."""
+        with self._lock:
+            return self._seq
+
     def since(self, seq: int = 0, limit: int = 1000) -> tuple[list[CacheEvent], int, int]:
         """Events after ``seq`` (at most ``limit``), the sequence number to ask from next, and how many
         events after ``seq`` the log no longer holds (the reader fell behind: resync)."""

@@ -366,6 +366,11 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
                                status=404, code="no_prefix_cache")
         if since < 0 or not 1 <= limit <= 10_000:
             raise RequestError(f"since={since} must be >= 0 and limit={limit} in 1..10000", param="since")
+        head = cache.events.head
+        if since > head:  # a cursor from before a restart (or another replica): echoing it would skip every event
+            raise RequestError(f"since={since} is past this log's head {head} (epoch "
+                               f"{cache.events.epoch}): the replica restarted or the cursor is another's; "
+                               f"resync with since=0", param="since", code="cursor_past_head")
         events, nxt, dropped = cache.events.since(since, limit)
         return {"object": "list", "model": config.model_id, "epoch": cache.events.epoch, "block_size": cache.align,
                 "data": [e.as_json() for e in events], "next": nxt, "dropped": dropped}

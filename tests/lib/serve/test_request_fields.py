@@ -107,3 +107,13 @@ def test_a_server_without_a_cache_has_no_cache_events(tiny: tuple[Any, Any]) -> 
     for running in serve(tiny, budget_bytes=None):
         r = httpx.get(f"{running.url}/v1/cache/events", timeout=30)
         assert r.status_code == 404 and r.json()["error"]["code"] == "no_prefix_cache"
+
+
+def test_a_cursor_past_the_head_is_refused_naming_the_head_and_epoch(on: Running) -> None:
+    now = httpx.get(f"{on.url}/v1/cache/events", timeout=30).json()
+    r = httpx.get(f"{on.url}/v1/cache/events", params={"since": 10**30}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "since" and err["code"] == "cursor_past_head"
+    assert f"head {now['next']}" in err["message"] and now["epoch"] in err["message"] and len(err["message"]) < 300
+    at_head = httpx.get(f"{on.url}/v1/cache/events", params={"since": now["next"]}, timeout=30)
+    assert at_head.status_code == 200 and at_head.json()["next"] == now["next"]
