@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -37,7 +39,7 @@ def serve_command(
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
     cache under every request."""
     from kvstate.errors import KVStateError
-    from kvstate.prefix.shared_tier import load_key
+    from kvstate.prefix.shared_tier import KEY_ENV, load_key
     from kvstate.serve.config import ServeConfig
     from kvstate.serve.policy import BatchPolicy
     from kvstate.serve.server import run
@@ -58,4 +60,8 @@ def serve_command(
     )
     if remote is not None:
         load_key(config.remote_key_file)  # a bad key file is one line before the model loads
+        if remote_key_file is not None and os.environ.get(KEY_ENV) is not None:
+            sys.stderr.write(f"warning: --remote-key-file and ${KEY_ENV} are both set; the file's key is used "
+                             f"(unset ${KEY_ENV}, or drop --remote-key-file to use it)\n")
+            sys.stderr.flush()
     run(model, config, host=host, port=port, remote_optional=remote_optional)

@@ -17,8 +17,9 @@ field is a 400 naming it. Ignores: tools, response formats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,9 +42,25 @@ class RequestError(KVStateError):
         return error_body(str(self), self.kind, self.param, self.code)
 
 
+MAX_MESSAGE_CHARS = 1000  # an error message is cut here: a refusal never echoes a large input back
+
+
+def brief(values: Sequence[Any], keep: int = 4, chars: int = 40) -> str:
+    """``values`` for an error message: the first ``keep``, each repr cut at ``chars``, and how many in all."""
+    shown = []
+    for v in list(values[:keep]):
+        r = repr(v)
+        shown.append(r if len(r) <= chars else f"{r[:chars]}… ({len(r):,} characters)")
+    more = f", … ({len(values):,} in all)" if len(values) > keep else ""
+    return f"[{', '.join(shown)}{more}]"
+
+
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object; the message is one line (a lone surrogate in it is escaped: it can be sent)."""
+    """OpenAI's error object; the message is one line of at most about ``MAX_MESSAGE_CHARS`` (a lone surrogate in
+    it is escaped: it can be sent)."""
     text = " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = f"{text[:MAX_MESSAGE_CHARS]}… (message cut, {len(text):,} characters)"
     return {"error": {"message": text, "type": kind, "param": param, "code": code}}
 
 
@@ -95,10 +112,12 @@ class _Sampling(_Strict):
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
 
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the field that asks for top logprobs per token
+
     def stops(self) -> tuple[str, ...]:
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stops) > 4 or any(not s for s in stops):
-            raise RequestError(f"stop: give up to 4 non-empty strings, got {list(stops)!r}", param="stop")
+            raise RequestError(f"stop: give up to 4 non-empty strings, got {brief(stops)}", param="stop")
         for s in stops:
             check_unicode("stop", s, "stop")
         return stops
@@ -150,7 +169,10 @@ class _Sampling(_Strict):
         except KVStateError as exc:
             name = str(exc).split(".", 1)[-1].split(" ", 1)[0]
             message = str(exc).replace("SamplingParams.", "")
-            raise RequestError(message, param=name if name in fields else None) from None
+            param = name if name in fields else None
+            if name == "logprobs":  # named as the request asks for the count (chat: top_logprobs)
+                message, param = message.replace("logprobs", self.LOGPROBS_FIELD, 1), self.LOGPROBS_FIELD
+            raise RequestError(message, param=param) from None
 
 
 class CompletionRequest(_Sampling):
@@ -185,6 +207,7 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = None
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
 
     def top_logprobs_asked(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -65,6 +65,10 @@ def run(model_dir: str | Path, config: ServeConfig, host: str = "127.0.0.1", por
     from kvstate.models.compat import hf_logging
     from kvstate.serve.app import create_app
 
+    if not Path(model_dir).is_dir():
+        what = "is not a directory" if Path(model_dir).exists() else "does not exist"
+        raise KVStateError(f"--model {model_dir}: the model directory {what}; pass a directory holding the model's "
+                           "config, weights and tokenizer")
     check_port(host, port)
     if config.remote is not None:
         check_remote(config.remote, optional=remote_optional)

@@ -131,3 +131,11 @@ def test_cli_refuses_a_model_without_a_tokenizer(tiny: tuple[Any, Any], tmp_path
     assert info.value.code == 2 and err.count("\n") == 1 and "tokenizer" in err
     tok.save_pretrained(tmp_path / "m")
     assert load_tokenizer(tmp_path / "m")("w1 w2")["input_ids"] == tok("w1 w2")["input_ids"]
+
+
+def test_an_error_message_is_cut_with_its_length() -> None:
+    from kvstate.serve.protocol import MAX_MESSAGE_CHARS, brief, error_body
+
+    text = error_body("x" * 50_000, "invalid_request_error")["error"]["message"]
+    assert len(text) < MAX_MESSAGE_CHARS + 60 and text.endswith("(message cut, 50,000 characters)")
+    assert brief(list(range(10))) == "[0, 1, 2, 3, … (10 in all)]" and brief(["ab"]) == "['ab']"

@@ -132,3 +132,20 @@ def test_a_remote_that_answers_starts_without_a_word(loads: Loads, capsys: pytes
 def test_max_body_bytes_reaches_the_server(loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
     code, _ = _serve(capsys, tmp_path, "--max-body-bytes", "1000")
     assert code == 0 and loads.served[0][1].max_body_bytes == 1000
+
+
+def test_a_model_directory_that_does_not_exist_is_named(loads: Loads, capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Any) -> None:
+    code, err = _serve(capsys, tmp_path / "nope")
+    _assert_one_error(code, err, loads, "nope", "does not exist")
+
+
+def test_a_key_file_and_the_key_variable_both_set_warn_which_wins(
+        loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        redis_server: RedisServer) -> None:  # noqa: F811
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    monkeypatch.setenv("KVSTATE_REMOTE_KEY", "e" * 32)
+    code, err = _serve(capsys, tmp_path, "--remote", redis_server.url, "--remote-key-file", str(key))
+    assert code == 0 and len(err) == 1 and err[0].startswith("warning: ") and "the file's key is used" in err[0]
+    assert len(loads.served) == 1

@@ -174,6 +174,8 @@ BAD = [
     ("completions", {"model": "tiny", "prompt": "w1", "logprobs": 21}, "logprobs", None),
     ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "top_logprobs": 2},
      "top_logprobs", None),
+    ("chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "logprobs": True,
+                          "top_logprobs": 100}, "top_logprobs", None),
     ("completions", {"model": "tiny", "prompt": "w1", "n": 2}, "n", None),
     ("completions", {"model": "tiny", "prompt": "w1", "stop": ["", "x"]}, "stop", None),
     ("completions", {"model": "other", "prompt": "w1"}, "model", "model_not_found"),
@@ -198,6 +200,22 @@ def test_bad_input_is_an_openai_error_and_the_server_keeps_serving(
         404 if code == "model_not_found" else 400, "invalid_request_error", param, code)
     ok = httpx.post(on.url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_refusal_never_echoes_a_large_input(on: Running) -> None:
+    many = {"model": "tiny", "prompt": "w1", "stop": [f"s{i}" for i in range(100_000)]}
+    r = httpx.post(f"{on.url}/v1/completions", json=many, timeout=60)
+    message = _error(r)["message"]
+    assert r.status_code == 400 and len(r.content) < 1000 and "100,000 in all" in message and "s99999" not in message
+    long = {"model": "tiny", "prompt": "w1", "stop": ["", "x" * 100_000]}
+    r = httpx.post(f"{on.url}/v1/completions", json=long, timeout=60)
+    assert r.status_code == 400 and len(r.content) < 1000 and "100,002 characters" in _error(r)["message"]
+
+
+def test_a_top_logprobs_refusal_names_top_logprobs(on: Running) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "logprobs": True, "top_logprobs": 100}
+    message = _error(httpx.post(f"{on.url}/v1/chat/completions", json=body, timeout=30))["message"]
+    assert message.startswith("top_logprobs must be") and "top_logprobs" in message
 
 
 def test_the_openai_client_sees_a_bad_request(on: Running) -> None:
