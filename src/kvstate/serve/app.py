@@ -135,6 +135,10 @@ class _Handlers:
             generator, tokenizer, config, scheduler, counters)
         self.template = chat.template_of(tokenizer, config.chat_template)
         self.controls = chat.control_tokens(tokenizer)
+        self.tails: dict[str, str | None] = {}  # each role's closing text in the template (learned once)
+        self.chars = chat.CharBound(tokenizer)  # refuses text that cannot fit the positions, before tokenizing
+        self.preparing = 0  # requests being checked or waiting to be (counted against --max-queue)
+        self.gate: asyncio.Semaphore | None = None  # bounds the checks run at once (made on the event loop)
 
     # -- checks ------------------------------------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -142,15 +146,31 @@ class _Handlers:
             raise RequestError(f"model {name!r} is not served here; pass model={self.config.model_id!r} (see "
                                "/v1/models)", status=404, param="model", code="model_not_found")
 
-    def limits(self, ids: list[int], max_tokens: int | None, param: str, default: int, prompt_param: str) -> int:
+    def fits(self, text: str, prompt_param: str) -> int | None:
+        """Refuse ``text`` that has more characters than the model's positions can hold in tokens (checked
+        before it is tokenized: the cost of a refusal is not the cost of tokenizing it); the most tokens worth
+        producing (positions + 1: a prompt that long is refused by :meth:`limits`), None without a limit."""
+        pos = self.gen.max_positions
+        if pos is None:
+            return None
+        least = self.chars.least_tokens(text, pos)
+        if least >= pos:
+            raise RequestError(f"the prompt has {len(text):,} characters, at least {least:,} tokens for this "
+                               f"tokenizer, but the model has {pos} positions; shorten it", param=prompt_param,
+                               code="context_length_exceeded")
+        return pos + 1
+
+    def limits(self, ids: list[int], max_tokens: int | None, param: str, default: int, prompt_param: str,
+               cut: bool = False) -> int:
         """``max_tokens`` (named ``param``; ``default`` when None) checked against the model's positions and the
-        cache's budget; ``prompt_param`` names the prompt's field."""
+        cache's budget; ``prompt_param`` names the prompt's field; ``cut``: ``ids`` were cut at positions + 1."""
         n, pos = len(ids), self.gen.max_positions
         if max_tokens is not None and (max_tokens < 1 or (pos is not None and max_tokens > pos)):
             raise RequestError(f"{param}={max_tokens} must be in 1..{pos if pos is not None else 'inf'} (the "
                                "model's positions)", param=param)
         if pos is not None and n >= pos:
-            raise RequestError(f"the prompt has {n} tokens but the model has {pos} positions; shorten it",
+            count = f"more than {pos}" if cut and n > pos else str(n)
+            raise RequestError(f"the prompt has {count} tokens but the model has {pos} positions; shorten it",
                                param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(default, pos - n) if pos is not None else default
@@ -177,10 +197,14 @@ class _Handlers:
                 raise RequestError(f"prompt: this server takes one prompt per request, got {len(prompt)}; send "
                                    "them as separate requests", param="prompt")
             prompt = prompt[0]
+        cut = False
         if isinstance(prompt, str):
             check_unicode("prompt", prompt, "prompt")
             add = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = list(self.tok(prompt, add_special_tokens=add)["input_ids"])
+            most = self.fits(prompt, "prompt")
+            bound: dict[str, Any] = {} if most is None else {"truncation": True, "max_length": most}
+            ids = list(self.tok(prompt, add_special_tokens=add, **bound)["input_ids"])
+            cut = most is not None
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.gen.vocab_size]
@@ -190,7 +214,7 @@ class _Handlers:
         if not ids:
             raise RequestError("prompt: empty; send at least one token", param="prompt")
         param, asked = self.max_tokens_of(req)
-        max_tokens = self.limits(ids, asked, param, COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        max_tokens = self.limits(ids, asked, param, COMPLETION_DEFAULT_MAX_TOKENS, "prompt", cut)
         return GenerationRequest(tuple(ids), max_tokens, stops, sampling=req.sampling(self.gen.default_sampling, max_tokens),
                                  skip_special_tokens=req.skip_special_tokens)
 
@@ -217,23 +241,40 @@ class _Handlers:
         for i, m in enumerate(messages):
             check_unicode(f"messages[{i}].content", m["content"], f"messages.{i}.content")
         chat.check_contents(messages, self.controls)
-        ids = chat.render(self.tok, self.template, messages, generation_prompt=True)
+        text = chat.render_text(self.tok, self.template, messages, generation_prompt=True)
+        most = self.fits(text, "messages")
+        ids, spans = chat.encode(self.tok, text, most)
         if not ids:
             raise RequestError("messages: the chat template renders them to no tokens", param="messages")
-        max_tokens = self.limits(ids, asked, param,
-                                 self.config.default_max_tokens, "messages")
-        ends = chat.message_ends(self.tok, self.template, messages, ids) if self.gen.accepts_boundaries else []
+        max_tokens = self.limits(ids, asked, param, self.config.default_max_tokens, "messages", most is not None)
+        ends = chat.message_ends(self.tok, self.template, messages, ids, text, spans, self.tails) \
+            if self.gen.accepts_boundaries else []
         return GenerationRequest(tuple(ids), max_tokens, stops, tuple(ends),
                                  sampling=req.sampling(self.gen.default_sampling, max_tokens),
                                  skip_special_tokens=req.skip_special_tokens)
 
     # -- hand-off ----------------------------------------------------------------------------------
     def check_room(self) -> None:
-        """A 503 at once when every queue slot is taken (checked before tokenizing a request that would be refused)."""
+        """A 503 at once when every queue slot is taken, by requests waiting in the queue or to be checked (checked
+        before tokenizing a request that would be refused)."""
         try:
-            self.scheduler.check_room()
+            self.scheduler.check_room(pending=self.preparing)
         except QueueFull as exc:
             raise self._busy(exc) from None
+
+    async def prepare(self, check: Callable[[Any], GenerationRequest], body: Any) -> Job:
+        """Check ``body`` in a worker thread, at most ``max_preparing`` at once (the others wait, counted in the
+        queue), and queue the request it becomes."""
+        self.check_room()
+        if self.gate is None:
+            self.gate = asyncio.Semaphore(self.config.max_preparing)
+        self.preparing += 1
+        try:
+            async with self.gate:
+                gr = await run_in_threadpool(check, body)
+        finally:
+            self.preparing -= 1
+        return self.submit(gr)
 
     def _busy(self, exc: QueueFull) -> RequestError:
         self.counters.outcome("queue_full")
@@ -323,7 +364,8 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="kvstate serve", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.state.generator, app.state.scheduler, app.state.counters = generator, scheduler, counters
+    app.state.generator, app.state.scheduler, app.state.counters, app.state.handlers = (
+        generator, scheduler, counters, h)
 
     def refuse(exc: RequestError) -> JSONResponse:
         if exc.status < 500:
@@ -386,8 +428,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        h.check_room()
-        job = h.submit(await run_in_threadpool(h.completion, body))
+        job = await h.prepare(h.completion, body)
         if body.stream:
             top = head("text_completion")
 
@@ -406,8 +447,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
-        h.check_room()
-        job = h.submit(await run_in_threadpool(h.chat, body))
+        job = await h.prepare(h.chat, body)
         if body.stream:
             top = head("chat.completion.chunk")
 

@@ -6,10 +6,11 @@ none; they get :data:`DEFAULT_CHAT_TEMPLATE`, one line per message ``ROLE : CONT
 extend turn k's prompt plus its reply (the reply is what the prefix cache stores after generation).
 
 Message ends are the natural checkpoint positions of a conversation (the system prompt's end is shared
-by every conversation; each message's end is where the next turn resumes). They are found by rendering
-growing prefixes of the message list and keeping the lengths whose tokens are a prefix of the whole
-prompt's (a template that rewrites earlier messages when more follow yields fewer positions, never
-wrong ones).
+by every conversation; each message's end is where the next turn resumes). A message ends where the
+rendering of the messages up to it ends, when its tokens are a prefix of the whole prompt's (a template
+that rewrites earlier messages when more follow yields fewer positions, never wrong ones); they are found
+in time linear in the messages (:func:`kvstate.prefix.chat.find_message_ends`: each message rendered once,
+each role's closing text learned once per tokenizer), not by rendering every prefix.
 
 A message's text may not contain a control token of the tokenizer (a special token's string such as
 ``<eos>`` or ``<bos>``): the rendered text is tokenized with special tokens recognized, so typed text
@@ -22,12 +23,13 @@ refusing leaves every accepted prompt's tokens, message ends and cached replies 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from kvstate.prefix.chat import message_ends_in
+from kvstate.prefix.chat import find_message_ends
 from kvstate.serve.protocol import RequestError
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -35,6 +37,38 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {{ eos_token }} {% endfor %}"
     "{% if add_generation_prompt %}assistant :{% endif %}"
 )
+
+
+_SPACE = re.compile(r"\s+")
+
+
+class CharBound:
+    """The fewest tokens a text can become under one tokenizer, without tokenizing it: no token covers more
+    characters than its vocabulary's longest entry (a byte-level or SentencePiece entry spells at least the
+    characters it covers), so ``n`` characters are at least ``n / longest`` tokens. Computed once per tokenizer.
+    A tokenizer that drops whitespace (a whitespace pre-tokenizer) is counted on the other characters; one with
+    a normalizer (which may merge characters) or without a vocabulary listing gets a slack of 4 or no bound.
+    Ignores: normalizers that delete other characters outright (the bound may then refuse a prompt that fits)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        try:
+            vocab = tokenizer.get_vocab()
+            self.longest: int | None = max((len(t) for t in vocab), default=0) or None
+        except (AttributeError, NotImplementedError, TypeError):
+            self.longest = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.longest is not None and (backend is None or backend.normalizer is not None):
+            self.longest *= 4
+        spaces = 64
+        self.drops_space = self.longest is not None and \
+            len(tokenizer(" " * spaces, add_special_tokens=False)["input_ids"]) * self.longest < spaces
+
+    def least_tokens(self, text: str, positions: int) -> int:
+        """A lower bound on ``text``'s tokens (0 when the text could fit ``positions`` whatever it holds)."""
+        if self.longest is None or len(text) < positions * self.longest:
+            return 0
+        n = len(_SPACE.sub("", text)) if self.drops_space else len(text)
+        return -(-n // self.longest)
 
 
 def template_of(tokenizer: Any, override: str | None = None) -> str:
@@ -60,8 +94,8 @@ def check_contents(messages: Sequence[dict[str, str]], controls: Sequence[str]) 
                                param=f"messages.{i}.content")
 
 
-def render(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], generation_prompt: bool) -> list[int]:
-    """Token ids of ``messages`` rendered by ``template`` (special tokens come from the template's text)."""
+def render_text(tokenizer: Any, template: str, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+    """The text ``template`` renders ``messages`` to (a :class:`RequestError` when it refuses them)."""
     try:
         text = tokenizer.apply_chat_template(
             list(messages), chat_template=template, add_generation_prompt=generation_prompt, tokenize=False
@@ -69,18 +103,46 @@ def render(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], ge
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as exc:
         raise RequestError(f"messages: the chat template rejects this message list ({exc}); check the roles and "
                            "their order", param="messages") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return str(text)
 
 
-def message_ends(tokenizer: Any, template: str, messages: Sequence[dict[str, str]], prompt: Sequence[int]) -> list[int]:
-    """Positions in ``(0, len(prompt) - 1)`` where a message of ``messages`` ends in ``prompt``'s tokens
-    (the rule is :func:`kvstate.prefix.chat.message_ends_in`, whole renderings only)."""
+def encode(tokenizer: Any, text: str, limit: int | None = None) -> tuple[list[int], list[tuple[int, int]] | None]:
+    """Token ids of rendered ``text`` (special tokens come from the template's text), at most ``limit`` of them,
+    and the span of text each covers (None: the tokenizer gives no offsets)."""
+    cut: dict[str, Any] = {} if limit is None else {"truncation": True, "max_length": limit}
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, **cut)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+    except NotImplementedError:  # a slow (Python) tokenizer has no offsets
+        return list(tokenizer(text, add_special_tokens=False, **cut)["input_ids"]), None
 
-    def rendered(k: int) -> list[int] | None:
+
+def render(tokenizer: Any, template: str, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> list[int]:
+    """Token ids of ``messages`` rendered by ``template`` (special tokens come from the template's text)."""
+    return encode(tokenizer, render_text(tokenizer, template, messages, generation_prompt))[0]
+
+
+def message_ends(tokenizer: Any, template: str, messages: Sequence[Mapping[str, Any]], prompt: Sequence[int],
+                 text: str | None = None, spans: Sequence[tuple[int, int]] | None = None,
+                 tails: dict[str, str | None] | None = None) -> list[int]:
+    """Positions in ``(0, len(prompt) - 1)`` where a message of ``messages`` ends in ``prompt``'s tokens (the
+    rule is :func:`kvstate.prefix.chat.message_ends_in`, whole renderings only), in time linear in the messages.
+    ``text`` / ``spans``: the prompt's rendered text and each token's span in it (:func:`encode`; default: found
+    here); ``tails``: each role's closing text, kept by the caller per tokenizer and template."""
+    if text is None:
+        text = render_text(tokenizer, template, messages, generation_prompt=True)
+        ids, spans = encode(tokenizer, text)
+        if ids != list(prompt):
+            text, spans = "", None
+
+    def rendered(part: Sequence[Mapping[str, Any]]) -> str | None:
         try:
-            return render(tokenizer, template, messages[:k], generation_prompt=False)
+            return render_text(tokenizer, template, part, generation_prompt=False)
         except RequestError:  # some templates refuse a conversation that ends on a system or user message
             return None
 
-    return message_ends_in((rendered(k) for k in range(1, len(messages) + 1)), prompt, whole=True,
-                           below=len(prompt) - 1)
+    def tokenize(part: str) -> list[int]:
+        return list(tokenizer(part, add_special_tokens=False)["input_ids"])
+
+    return find_message_ends(messages, text, prompt, spans, rendered, tokenize, {} if tails is None else tails,
+                             whole=True, below=len(prompt) - 1)

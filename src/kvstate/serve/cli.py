@@ -33,6 +33,9 @@ def serve_command(
                                            "(continuous batching).")] = 8,
     max_tokens_per_step: Annotated[int, typer.Option("--max-tokens-per-step", min=1, help="Prompt tokens prefilled "
                                                      "between two decode steps of the running batch.")] = 512,
+    max_preparing: Annotated[int, typer.Option("--max-preparing", min=1, max=1024, help="Requests tokenized at once "
+                                               "(each holds up to its prompt's tokens); more wait, counted in "
+                                               "--max-queue.")] = 2,
     policy: Annotated[str, typer.Option("--policy", help="Admission order: fifo or longest-prefix (the request "
                                         "with the longest prefix-cache hit first).")] = "fifo",
 ) -> None:
@@ -57,6 +60,7 @@ def serve_command(
         max_body_bytes=max_body_bytes,
         remote_key_file=None if remote_key_file is None else str(remote_key_file),
         policy=BatchPolicy(policy, max_batch, max_tokens_per_step),
+        max_preparing=max_preparing,
     )
     if remote is not None:
         load_key(config.remote_key_file)  # a bad key file is one line before the model loads

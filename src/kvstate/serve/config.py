@@ -22,6 +22,8 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20  # a request body over this is answered 413 before it is read in full
     remote_key_file: str | None = None  # the shared tier's cluster key (None: $KVSTATE_REMOTE_KEY, else unkeyed)
     policy: BatchPolicy = field(default_factory=BatchPolicy)  # admission order, batch size, prefill chunk
+    # requests tokenized / rendered at once (each holds up to its prompt's tokens); more wait, counted in max_queue
+    max_preparing: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -37,6 +39,8 @@ class ServeConfig:
         check_int("max_body_bytes", self.max_body_bytes, 1, 1 << 40, error=KVStateError,
                   hint="; pass the largest request body to accept, in bytes")
         check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
+        check_int("max_preparing", self.max_preparing, 1, 1024, error=KVStateError,
+                  hint="; pass how many requests may be tokenized at once")
         if self.remote_key_file is not None and self.remote is None:
             raise KVStateError("remote_key_file: a key signs the shared tier's entries; pass --remote too, or drop the key")
         if not isinstance(self.policy, BatchPolicy):

@@ -123,11 +123,12 @@ class Scheduler:
         free = max(0, self.policy.max_batch - self.running)
         return self.max_queue + free - len(self._waiting)
 
-    def check_room(self) -> None:
-        """:class:`QueueFull` when ``max_queue`` requests already wait beyond the batch's free rows (a request can
-        be refused before it is checked)."""
+    def check_room(self, pending: int = 0) -> None:
+        """:class:`QueueFull` when ``max_queue`` requests already wait beyond the batch's free rows, ``pending``
+        requests not yet submitted (being checked) counted among them (a request can be refused before it is
+        checked)."""
         with self._cond:
-            if self._room() <= 0:
+            if self._room() - pending <= 0:
                 raise self._full()
 
     def submit(self, request: GenerationRequest) -> Job:

@@ -149,3 +149,8 @@ def test_a_key_file_and_the_key_variable_both_set_warn_which_wins(
     code, err = _serve(capsys, tmp_path, "--remote", redis_server.url, "--remote-key-file", str(key))
     assert code == 0 and len(err) == 1 and err[0].startswith("warning: ") and "the file's key is used" in err[0]
     assert len(loads.served) == 1
+
+
+def test_max_preparing_reaches_the_server(loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    code, _ = _serve(capsys, tmp_path, "--max-preparing", "3")
+    assert code == 0 and loads.served[0][1].max_preparing == 3
