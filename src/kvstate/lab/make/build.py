@@ -18,6 +18,7 @@ from typing import Any
 from kvstate.errors import KVStateError
 from kvstate.io_safety import check_output_dir, staged_dir
 from kvstate.lab.depth import section as depth_section
+from kvstate.lab.models import section as real_model_section
 from kvstate.lab.prefix import replay_section
 from kvstate.lab.prefix import section as prefix_section
 from kvstate.lab.progress import progress_bar
@@ -33,6 +34,7 @@ SECTIONS: list[tuple[str, SectionBuilder]] = [
     ("model state", model_state.build),
     ("prefix caching", prefix_section.build),
     ("prefix replay", replay_section.build),
+    ("real model", real_model_section.build),
     ("reference models", eval_section.build),
     ("depth", depth_section.build),
     ("resolution", semantic_section.build),
