@@ -9,8 +9,13 @@ prompt is tokenized; then they hand a :class:`GenerationRequest` to the :class:`
 handler waits for the worker's result (polling for a client that went away); a streaming one forwards
 each text delta as a server-sent event in OpenAI's chunk format and ends with ``data: [DONE]``. A client
 that disconnects cancels its job (it stops at the next token and inserts nothing). Every refusal is
-OpenAI's error object with a 4xx status (5xx: the queue is full, or a bug), and the server keeps
-serving.
+OpenAI's error object with a 4xx status (5xx: the queue is full, the server is shutting down, or a bug), and
+the server keeps serving.
+
+Shutdown with a deadline (``app.state.drain``, run by :mod:`kvstate.serve.server` at SIGTERM): new requests
+get 503 with ``Retry-After`` (and ``/health`` 503, so a load balancer stops routing here), the ones admitted
+go on for ``shutdown_grace_s``, then a stream still running ends with a chunk whose ``finish_reason`` is
+``"abort"``, an error event and ``[DONE]``, and a non-streamed request gets a 503.
 """
 
 from __future__ import annotations
@@ -45,12 +50,14 @@ from kvstate.serve.protocol import (
     error_body,
     validation_message,
 )
-from kvstate.serve.scheduler import Job, QueueFull, Scheduler
+from kvstate.serve.scheduler import Job, QueueFull, Scheduler, ShuttingDown
 
 log = logging.getLogger("kvstate.serve")
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 DONE = "data: [DONE]\n\n"
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
+DRAIN_POLL_S = 0.05  # how often a draining server looks whether every request is over
+RETRY_AFTER_S = 1  # the Retry-After of a 503 (queue full, shutting down): another replica, or this one soon
 
 
 class _ClientGone(Exception):
@@ -70,9 +77,22 @@ def _usage(g: Generation) -> dict[str, Any]:
     }
 
 
+def _shutting_down(exc: ShuttingDown) -> RequestError:
+    return RequestError(str(exc), status=503, kind="server_error", code="server_shutting_down",
+                        retry_after=RETRY_AFTER_S)
+
+
+def _aborted(g: Generation, grace: float) -> RequestError:
+    return RequestError(f"the server shut down before this reply was complete ({g.completion_tokens} tokens "
+                        f"generated when its shutdown grace of {grace:g} s ran out); retry against a running server",
+                        status=503, kind="server_error", code="server_shutting_down", retry_after=RETRY_AFTER_S)
+
+
 def _worker_error(exc: BaseException) -> RequestError:
     if isinstance(exc, RequestError):
         return exc
+    if isinstance(exc, ShuttingDown):
+        return _shutting_down(exc)
     if isinstance(exc, KVStateError):
         return RequestError(str(exc))
     log.error("generation failed", exc_info=exc)
@@ -261,6 +281,8 @@ class _Handlers:
             self.scheduler.check_room(pending=self.preparing)
         except QueueFull as exc:
             raise self._busy(exc) from None
+        except ShuttingDown as exc:
+            raise self._closed(exc) from None
 
     async def prepare(self, check: Callable[[Any], GenerationRequest], body: Any) -> Job:
         """Check ``body`` in a worker thread, at most ``max_preparing`` at once (the others wait, counted in the
@@ -271,6 +293,8 @@ class _Handlers:
         self.preparing += 1
         try:
             async with self.gate:
+                if self.scheduler.closing:  # the server began to shut down while this request waited its turn
+                    self.check_room()
                 gr = await run_in_threadpool(check, body)
         finally:
             self.preparing -= 1
@@ -278,13 +302,19 @@ class _Handlers:
 
     def _busy(self, exc: QueueFull) -> RequestError:
         self.counters.outcome("queue_full")
-        return RequestError(str(exc), status=503, kind="server_error", code="queue_full")
+        return RequestError(str(exc), status=503, kind="server_error", code="queue_full", retry_after=RETRY_AFTER_S)
+
+    def _closed(self, exc: ShuttingDown) -> RequestError:
+        self.counters.outcome("shutdown")
+        return _shutting_down(exc)
 
     def submit(self, gr: GenerationRequest) -> Job:
         try:
             return self.scheduler.submit(gr)
         except QueueFull as exc:  # filled up while this request was checked
             raise self._busy(exc) from None
+        except ShuttingDown as exc:  # the server began to shut down while this request was checked
+            raise self._closed(exc) from None
 
     async def result(self, request: Request, job: Job) -> Generation:
         try:
@@ -304,6 +334,8 @@ class _Handlers:
                     raise _worker_error(payload)
                 if kind == "cancelled":
                     raise _ClientGone()
+                if kind == "aborted":
+                    raise _aborted(payload, self.config.shutdown_grace_s)
         finally:
             job.cancel()  # a no-op once the job is over; stops it when the client left or the server stops
 
@@ -334,6 +366,13 @@ class _Handlers:
                     yield _sse(_worker_error(payload).body())
                     yield DONE
                     return
+                elif kind == "aborted":  # the shutdown deadline: the reason on the last chunk, then why
+                    yield _sse(counted(chunk(None, payload.finish_reason), payload.completion_tokens))
+                    if usage is not None:
+                        yield _sse(usage(payload))
+                    yield _sse(_aborted(payload, self.config.shutdown_grace_s).body())
+                    yield DONE
+                    return
                 else:  # cancelled
                     return
         finally:
@@ -362,15 +401,23 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
         finally:
             scheduler.stop()
 
+    async def drain() -> None:
+        """Admit nothing more; let the requests admitted run for ``shutdown_grace_s``, then end the rest; returns
+        once every request is over (one still being checked is refused when its check ends)."""
+        scheduler.close(config.shutdown_grace_s)
+        deadline = time.monotonic() + config.shutdown_grace_s
+        while not scheduler.idle or (h.preparing and time.monotonic() < deadline):
+            await asyncio.sleep(DRAIN_POLL_S)
+
     app = FastAPI(title="kvstate serve", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
-    app.state.generator, app.state.scheduler, app.state.counters, app.state.handlers = (
-        generator, scheduler, counters, h)
+    app.state.generator, app.state.scheduler, app.state.counters, app.state.handlers, app.state.drain = (
+        generator, scheduler, counters, h, drain)
 
     def refuse(exc: RequestError) -> JSONResponse:
         if exc.status < 500:
             counters.outcome("invalid")
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
@@ -391,7 +438,10 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
         return JSONResponse(_worker_error(exc).body(), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        if scheduler.closing:  # a load balancer stops routing here
+            return JSONResponse({"status": "shutting_down", "model": config.model_id, "prefix_cache": cache is not None},
+                                status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok", "model": config.model_id, "prefix_cache": cache is not None}
 
     @app.get("/v1/models")

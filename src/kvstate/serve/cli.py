@@ -36,6 +36,9 @@ def serve_command(
     max_preparing: Annotated[int, typer.Option("--max-preparing", min=1, max=1024, help="Requests tokenized at once "
                                                "(each holds up to its prompt's tokens); more wait, counted in "
                                                "--max-queue.")] = 2,
+    shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", min=0, max=86_400, help="Seconds the requests "
+                                                  "running at SIGTERM may finish in (new ones get 503); then they "
+                                                  "are ended with an error, and the server exits 0.")] = 30.0,
     policy: Annotated[str, typer.Option("--policy", help="Admission order: fifo or longest-prefix (the request "
                                         "with the longest prefix-cache hit first).")] = "fifo",
 ) -> None:
@@ -61,6 +64,7 @@ def serve_command(
         remote_key_file=None if remote_key_file is None else str(remote_key_file),
         policy=BatchPolicy(policy, max_batch, max_tokens_per_step),
         max_preparing=max_preparing,
+        shutdown_grace_s=shutdown_grace,
     )
     if remote is not None:
         load_key(config.remote_key_file)  # a bad key file is one line before the model loads

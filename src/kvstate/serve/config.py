@@ -1,5 +1,5 @@
 """The server's one configuration (pure): model name, prefix-cache budget and shared tier (and its key), queue
-bound, batching policy, request body limit, default reply length."""
+bound, batching policy, request body limit, default reply length, shutdown grace."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class ServeConfig:
     policy: BatchPolicy = field(default_factory=BatchPolicy)  # admission order, batch size, prefill chunk
     # requests tokenized / rendered at once (each holds up to its prompt's tokens); more wait, counted in max_queue
     max_preparing: int = 2
+    # seconds the requests admitted before a SIGTERM may run on; then they are ended (a stream with an error event)
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -41,6 +43,10 @@ class ServeConfig:
         check_int("default_max_tokens", self.default_max_tokens, 1, 1 << 24, error=KVStateError)
         check_int("max_preparing", self.max_preparing, 1, 1024, error=KVStateError,
                   hint="; pass how many requests may be tokenized at once")
+        if isinstance(self.shutdown_grace_s, bool) or not isinstance(self.shutdown_grace_s, (int, float)) \
+                or not 0 <= self.shutdown_grace_s <= 86_400:
+            raise KVStateError(f"shutdown_grace_s: must be a number of seconds in 0..86400, got "
+                               f"{self.shutdown_grace_s!r}; pass how long running requests may finish after SIGTERM")
         if self.remote_key_file is not None and self.remote is None:
             raise KVStateError("remote_key_file: a key signs the shared tier's entries; pass --remote too, or drop the key")
         if not isinstance(self.policy, BatchPolicy):

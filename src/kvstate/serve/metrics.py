@@ -54,7 +54,7 @@ class _Collector:
     def collect(self) -> Iterator[Metric]:
         outcomes, tokens = self.counters.snapshot()
         c = CounterMetricFamily("kvstate_requests", "HTTP generation requests by outcome", labels=["outcome"])
-        for name in ("ok", "cancelled", "queue_full", "invalid", "error"):
+        for name in ("ok", "cancelled", "queue_full", "invalid", "error", "shutdown"):
             c.add_metric([name], outcomes.get(name, 0))
         yield c
         t = CounterMetricFamily("kvstate_tokens", "Tokens served, by kind (prompt tokens reused from "

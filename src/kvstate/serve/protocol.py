@@ -28,15 +28,20 @@ from kvstate.serve.sampling import SamplingParams
 
 
 class RequestError(KVStateError):
-    """A request the server refuses; carries the HTTP status and OpenAI's ``param`` / ``code``."""
+    """A request the server refuses; carries the HTTP status, OpenAI's ``param`` / ``code``, and for a 503 the
+    seconds after which a retry may succeed (sent as ``Retry-After``)."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry_after: int | None = None) -> None:
         super().__init__(" ".join(message.split()))
         self.status = status
         self.param = param
         self.code = code
         self.kind = kind
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.kind, self.param, self.code)

@@ -15,9 +15,13 @@ next step, and a finished reply goes into the prefix cache. One thread does all 
 store has one writer; what a prefill resumes from stays pinned until that prefill ends.
 
 Events on :attr:`Job.events`: ``("delta", Delta)``, then one of ``("done", Generation)``, ``("error",
-exception)``, ``("cancelled", None)``. A failed prefill fails its own request; a failed decode step fails
-the requests in the batch then, and the worker keeps serving. Ignores: preemption (a running request is
-never swapped out), priorities.
+exception)``, ``("cancelled", None)``, ``("aborted", Generation)``. A failed prefill fails its own request; a
+failed decode step fails the requests in the batch then, and the worker keeps serving.
+
+Shutdown with a deadline (:meth:`Scheduler.close`): no request is admitted any more (:class:`ShuttingDown`);
+those queued or running go on for the grace period, then the worker ends the rest: a running reply with
+``finish_reason`` ``"abort"`` (vLLM's name; event ``aborted``, its partial text already sent), a queued one
+with :class:`ShuttingDown`. Ignores: preemption (a running request is never swapped out), priorities.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +46,13 @@ IDLE_WAIT_S = 0.05  # how long an idle worker sleeps before looking at the queue
 
 class QueueFull(KVStateError):
     """Every queue slot is taken; the client should retry later."""
+
+
+class ShuttingDown(KVStateError):
+    """The server is shutting down: it admits no request, and ends those still running at its deadline."""
+
+
+ABORT = "abort"  # the finish_reason of a reply the shutdown deadline ended
 
 
 class Job:
@@ -82,6 +94,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._order = itertools.count()
+        self._deadline: float | None = None  # set by close(): the monotonic time the running requests end at
+        self._grace = 0.0
         self._rows: dict[int, tuple[Job, Decoding]] = {}  # the running batch's requests, by job order
         self._batch = None if generator is None else DecodeBatch(generator.model, BatchConfig(self.policy.max_batch))
         self.running = 0  # requests being generated now (prefilling or in the batch)
@@ -92,6 +106,32 @@ class Scheduler:
         """Requests waiting (the running ones not counted)."""
         with self._cond:
             return len(self._waiting)
+
+    @property
+    def closing(self) -> bool:
+        """:meth:`close` was called: no request is admitted any more."""
+        return self._deadline is not None
+
+    @property
+    def idle(self) -> bool:
+        """No request waits or runs."""
+        with self._cond:
+            return not self._waiting and self.running == 0
+
+    def close(self, grace: float) -> None:
+        """Admit no more requests; those queued or running may finish for ``grace`` seconds, then the worker ends
+        them (a running reply with finish_reason ``"abort"``, a queued request with :class:`ShuttingDown`)."""
+        with self._cond:
+            if self._deadline is None:
+                self._grace, self._deadline = grace, time.monotonic() + grace
+            self._cond.notify_all()
+
+    def _overdue(self) -> bool:
+        return self._deadline is not None and time.monotonic() >= self._deadline
+
+    def _gone(self) -> ShuttingDown:
+        return ShuttingDown(f"the server is shutting down and its shutdown grace ({self._grace:g} s) ran out before "
+                            "this request ran; retry against a running server")
 
     def start(self) -> None:
         if self.gen is None:
@@ -108,7 +148,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
-        gone = KVStateError("the server is shutting down; retry against a running server")
+        gone = ShuttingDown("the server is shutting down; retry against a running server")
         with self._cond:
             waiting, self._waiting = self._waiting, []
         for job in waiting + [j for j, _ in self._rows.values()]:
@@ -128,13 +168,18 @@ class Scheduler:
         requests not yet submitted (being checked) counted among them (a request can be refused before it is
         checked)."""
         with self._cond:
+            if self._deadline is not None:
+                raise self._closed()
             if self._room() - pending <= 0:
                 raise self._full()
 
     def submit(self, request: GenerationRequest) -> Job:
-        """Queue ``request``; raises :class:`QueueFull` when ``max_queue`` requests already wait."""
+        """Queue ``request``; raises :class:`QueueFull` when ``max_queue`` requests already wait, :class:`ShuttingDown`
+        after :meth:`close`."""
         job = Job(request, asyncio.get_running_loop(), next(self._order))
         with self._cond:
+            if self._deadline is not None:
+                raise self._closed()
             if self._room() <= 0:
                 raise self._full()
             self._waiting.append(job)
@@ -145,9 +190,15 @@ class Scheduler:
         return QueueFull(f"the server is busy: {self.max_queue} requests already wait (--max-queue {self.max_queue}); "
                          "retry later")
 
+    @staticmethod
+    def _closed() -> ShuttingDown:
+        return ShuttingDown("the server is shutting down and admits no new request; retry against a running server")
+
     # -- the worker ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self._overdue():
+                self._end_overdue()
             admitted = self._admit()
             if admitted:
                 for job in admitted:
@@ -158,6 +209,17 @@ class Scheduler:
                 with self._cond:
                     if not self._waiting and not self._stop.is_set():
                         self._cond.wait(IDLE_WAIT_S)
+
+    def _end_overdue(self) -> None:
+        """Past the shutdown deadline: the queued requests fail, the running replies end with finish_reason
+        ``"abort"`` (nothing of them goes into the prefix cache)."""
+        with self._cond:
+            waiting, self._waiting = self._waiting, []
+        for job in waiting:
+            self._end(job, "error", self._gone(), outcome="shutdown")
+        for rid, (_, d) in list(self._rows.items()):
+            d.finish = ABORT
+            self._leave(rid, keep_cache=False)
 
     def _admit(self) -> list[Job]:
         """The waiting requests the policy admits now (taken off the queue), in prefill order."""
@@ -186,13 +248,20 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         """Prefill ``job`` (decoding the running batch between its chunks) and add it to the batch."""
         assert self.gen is not None and self._batch is not None
-        if job.cancelled:
+        if job.cancelled or self._overdue():
             self.running -= 1
-            self._end(job, "cancelled", None)
+            if job.cancelled:
+                self._end(job, "cancelled", None)
+            else:
+                self._end(job, "error", self._gone(), outcome="shutdown")
             return
         try:
             d = self.gen.begin(job.request, lambda delta: job.post("delta", delta), lambda: job.cancelled)
             p = self.gen.prefill(d, chunk=self.policy.max_tokens_per_step, between=self._step)
+            if self._overdue():  # the deadline passed during this prefill: nothing more is decoded
+                d.finish = ABORT
+                self._done(job, d, None)
+                return
             if not d.take(p.logits):
                 self._done(job, d, p.cache)
                 return
@@ -206,6 +275,9 @@ class Scheduler:
     def _step(self) -> None:
         """One decode step of the running batch: one token per row; rows that ended leave the batch."""
         assert self._batch is not None
+        if self._overdue():  # also between a long prompt's prefill chunks
+            self._end_overdue()
+            return
         for rid, (job, d) in list(self._rows.items()):
             if job.cancelled:  # leaves at once: no forward pass for a client that went away
                 d.finish = "cancelled"
@@ -245,10 +317,12 @@ class Scheduler:
         self._on_generation(g)
         if g.finish_reason == "cancelled":
             self._end(job, "cancelled", None)
+        elif g.finish_reason == ABORT:
+            self._end(job, "aborted", g, outcome="shutdown")
         else:
             self._end(job, "done", g)
 
-    def _end(self, job: Job, kind: str, payload: Any) -> None:
+    def _end(self, job: Job, kind: str, payload: Any, outcome: str | None = None) -> None:
         job.post(kind, payload)
         job.finished.set()
-        self._on_job_end({"done": "ok", "cancelled": "cancelled"}.get(kind, "error"))
+        self._on_job_end(outcome or {"done": "ok", "cancelled": "cancelled"}.get(kind, "error"))

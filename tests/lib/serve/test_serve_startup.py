@@ -33,8 +33,6 @@ class Loads:
 
 @pytest.fixture
 def loads(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> Loads:
-    import uvicorn
-
     import kvstate.serve.app
     import kvstate.serve.server
 
@@ -44,7 +42,8 @@ def loads(tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch) -> Loads:
     monkeypatch.setattr(kvstate.serve.server, "load_tokenizer", rec.tokenizer)
     monkeypatch.setattr(kvstate.serve.server, "load_model", rec.model)
     monkeypatch.setattr(kvstate.serve.app, "create_app", lambda m, t, c: configs.append(c) or create(m, t, c))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: rec.served.append((app, configs[-1], kw)))
+    monkeypatch.setattr(kvstate.serve.server, "serve_app",
+                        lambda app, host, port: rec.served.append((app, configs[-1], {"host": host, "port": port})))
     return rec
 
 
@@ -154,3 +153,10 @@ def test_a_key_file_and_the_key_variable_both_set_warn_which_wins(
 def test_max_preparing_reaches_the_server(loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
     code, _ = _serve(capsys, tmp_path, "--max-preparing", "3")
     assert code == 0 and loads.served[0][1].max_preparing == 3
+
+
+def test_shutdown_grace_reaches_the_server(loads: Loads, capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    code, _ = _serve(capsys, tmp_path, "--shutdown-grace", "5")
+    assert code == 0 and loads.served[0][1].shutdown_grace_s == 5
+    code, err = _serve(capsys, tmp_path, "--shutdown-grace", "-1")
+    assert code == 2 and any("--shutdown-grace" in line for line in err) and len(loads.served) == 1
