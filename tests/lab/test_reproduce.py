@@ -117,17 +117,49 @@ def test_retrain_reads_and_writes_only_recorded_parts_in_the_scratch_folder(tmp_
         T.plan(tmp_path / "m", scratch=tmp_path / "m" / "retrain")
 
 
-def test_retrain_plans_of_the_committed_models(capsys):
-    from kvstate.cli import main
+def test_a_part_stopped_early_is_replayed_to_the_step_the_next_part_resumed_its_periodic_save(tmp_path):
+    depth = "kvstate depth train --model models/ref-attn --out runs/d/player --p 0.5 --tokens {} --resume"
+    cmds = [{"command": depth.format(4000)[:-len(" --resume")], "out": "runs/d/player", "resume": "models/ref-attn",
+             "from_step": 100},
+            {"command": depth.format(3000), "out": "runs/d/player", "resume": "runs/d/.player.partial", "from_step": 130},
+            {"command": depth.format(100), "out": "runs/d/player", "resume": "runs/d/player", "from_step": 200},
+            {"command": "kvstate train --arch attn --out runs/d/next --resume runs/d/.player.partial",
+             "out": "runs/d/next", "resume": "runs/d/.player.partial", "from_step": 210}]
+    (tmp_path / "models" / "ref-attn").mkdir(parents=True)
+    scratch = tmp_path / "scratch"
+    _state(tmp_path / "m", cmds[:3])
+    parts = T.plan(tmp_path / "m", scratch=scratch)
+    assert [p.stop_at_step for p in parts] == [130, None, None]
+    assert parts[0].replay.split()[-2:] == ["--stop-at-step", "130"] and "--stop-at-step" not in parts[1].replay
+    assert all(p.out == scratch / "player" for p in parts)  # its periodic saves, beside it, stay in the scratch folder
+    # the next part cannot have resumed a periodic save from before the stopped part's first step
+    _state(tmp_path / "inconsistent", [cmds[0], {**cmds[1], "from_step": 90}])
+    with pytest.raises(KVStateError, match="part 2 resumes the periodic save of part 1 at step 90, not after"):
+        T.plan(tmp_path / "inconsistent", scratch=scratch)
+    # a --resume naming the periodic saves is swapped for the replay's own
+    _state(tmp_path / "named", [cmds[0], cmds[3]])
+    named = T.plan(tmp_path / "named", scratch=scratch)
+    assert named[0].stop_at_step == 210
+    assert named[1].replay.split()[-2:] == ["--resume", str(scratch / ".player.partial")]
 
-    ft2 = R.REPO / "models" / "ref-attn-ft2"
-    if (ft2 / "training_state.json").is_file():  # its part 2 resumed a copy of part 1's periodic save
-        with pytest.raises(SystemExit) as done:
-            main(["lab", "retrain", str(ft2), "--dry-run"])
-        err = capsys.readouterr().err
-        assert done.value.code == 2 and len(err.splitlines()) == 1 and "resumes from runs/ft2-a1" in err
-    rcla = R.REPO / "models" / "ref-attn-rcla"
-    if (rcla / "training_state.json").is_file():  # parts stopped early and resumed from their partial save
-        with pytest.raises(KVStateError, match=r"part 2 resumes from runs/d30/\.player\.partial.*cannot be replayed"):
-            T.plan(rcla)
-        assert "stopped early and were resumed from their partial save" in (rcla / "README.md").read_text()
+
+def test_every_committed_model_with_a_recorded_training_can_be_replayed_or_its_card_says_why(tmp_path):
+    states = sorted(p.parent for p in (R.REPO / "models").glob("*/training_state.json"))
+    if not states:
+        pytest.skip("no committed model with a recorded training state")
+    replayed, refused = [], []
+    for d in states:
+        try:
+            parts = T.plan(d, scratch=tmp_path / d.name)
+        except KVStateError as exc:
+            refused.append((d.name, str(exc), (d / "README.md").read_text() if (d / "README.md").is_file() else ""))
+            continue
+        assert parts and all(_inside(p.out, tmp_path / d.name) for p in parts)
+        replayed.append(d.name)
+    assert [name for name, _, card in refused if "cannot be replayed" not in card] == []
+    if (R.REPO / "models" / "ref-attn-rcla" / "training_state.json").is_file():
+        assert "ref-attn-rcla" in replayed  # the headline model: parts stopped early replay with --stop-at-step
+
+
+def _inside(path, folder):
+    return folder.resolve() in path.resolve().parents or path.resolve() == folder.resolve()

@@ -9,7 +9,9 @@ import transformers as tf
 
 from kvstate.errors import KVStateError
 from kvstate.lab.training.cli import parse_overrides, train_command
+from kvstate.lab.training.io import partial_dir
 from kvstate.lab.training.train import (
+    PartStopped,
     TrainConfig,
     TrainError,
     answer_stats,
@@ -90,6 +92,19 @@ def test_train_command_set_overrides(tmp_path):
     state = load_state(tmp_path / "cli")
     assert state["step"] == 2 and state["config"]["task_mix"] == {"niah_single": 1, "niah_drill": 1}
     assert set(state["curve"][-1]["exact"]) <= {"niah_single", "niah_drill"}
+
+
+def test_a_part_stopped_at_a_step_leaves_its_periodic_save_there_and_no_output(tmp_path):
+    tiny = [f"{k}={v}" for k, v in TINY.items()] + ["num_layers=1", "max_steps=4"]
+    out = tmp_path / "run"
+    train_command(arch="attn", out=out, minutes=5.0, overrides=tiny, stop_at_step=2)  # returns: the CLI exits 0
+    assert not out.exists() and load_state(partial_dir(out))["step"] == 2
+    cfg = TrainConfig(arch="attn", num_layers=1, max_steps=4, **TINY)
+    with pytest.raises(PartStopped, match="stopped at step 3"):  # a resumed part stops there too
+        train(cfg, out, resume=partial_dir(out), progress=False, log=lambda s: None, stop_at_step=3)
+    state = train(cfg, out, resume=partial_dir(out), progress=False, log=lambda s: None)  # then runs to its end
+    assert state["step"] == 7 and not partial_dir(out).exists()
+    assert [c["from_step"] for c in load_state(out)["commands"]] == [0, 2, 3]
 
 
 def test_answer_stats_is_greedy_exact_match(tok):

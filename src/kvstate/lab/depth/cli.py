@@ -51,6 +51,9 @@ def train_command(
         "--set", help="Override a TrainConfig field, e.g. --set lr=0.0005 (JSON values).")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an --out directory that already holds files (replaced whole when the run ends).")] = False,
+    stop_at_step: Annotated[int | None, typer.Option(
+        "--stop-at-step", min=0, help="Stop after this step with the periodic save written and --out not, as an "
+        "interrupted part (kvstate lab retrain replays a part that was stopped early and resumed).")] = None,
 ) -> None:
     """Continue training a reference model with stochastic KV routing; under torchrun, DDP over gloo."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -59,6 +62,7 @@ def train_command(
     from kvstate.errors import KVStateError
     from kvstate.lab.depth.train import DepthTrainConfig, check_outputs, depth_train
     from kvstate.lab.training.cli import parse_overrides
+    from kvstate.lab.training.train import PartStopped
 
     try:
         layer_ps = tuple(float(v) for v in p_layer.split(",")) if p_layer is not None else None
@@ -77,7 +81,10 @@ def train_command(
         dist.init_process_group("gloo")
     try:
         state = depth_train(model, out, cfg, resume=resume, overrides=extra, progress=True, log=lambda s: None,
-                            overwrite=overwrite)
+                            overwrite=overwrite, stop_at_step=stop_at_step)
+    except PartStopped as stopped:
+        Console().print(f"{out}: {stopped}")
+        return
     finally:
         if distributed:
             dist.destroy_process_group()

@@ -303,13 +303,15 @@ def check_outputs(model_dir: Path, out: Path, cfg: DepthTrainConfig, *, resume: 
 
 def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfig, *, resume: bool = False,
                 overrides: dict[str, Any] | None = None, progress: bool = True, log: Any = print,
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, stop_at_step: int | None = None) -> dict[str, Any]:
     """Train ``model_dir`` (a ``kvstate train`` output) with routing into ``out_dir``; returns the state.
 
     ``resume=True`` continues the run already in ``out_dir`` (or its periodic saves when a part was
     interrupted): same routing (refused otherwise), the routing draws and the warm-up continue, the
     budget is counted afresh.
     ``overwrite`` replaces an ``out_dir`` that holds other output (refused otherwise).
+    ``stop_at_step``: the part stops there as an interrupted part did (its periodic save written, nothing of
+    ``out_dir``; :class:`~kvstate.lab.training.train.PartStopped` raised).
     """
     from kvstate.depth.attention import layer_specs
     from kvstate.lab.training.config import TASK_MIX
@@ -345,7 +347,7 @@ def depth_train(model_dir: str | Path, out_dir: str | Path, cfg: DepthTrainConfi
     # a resumed part replaces out whole: its evaluation results are carried over, never dropped
     kept = {n: (out / n).read_bytes() for n in RESULT_FILES if resume and (out / n).is_file()}
     result = train(tcfg, out, resume=start, progress=progress, log=log, context=factory,
-                   overwrite=overwrite or resume)
+                   overwrite=overwrite or resume, stop_at_step=stop_at_step)
     for name, data in kept.items():
         write_bytes_atomic(out / name, data)
     routing = getattr(factory, "routing", None)

@@ -62,17 +62,25 @@ def train_command(
         "--set", help="Override a TrainConfig field, e.g. --set max_length=2048 --set threads=1 (JSON values).")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an --out directory that already holds files (replaced whole when the run ends).")] = False,
+    stop_at_step: Annotated[int | None, typer.Option(
+        "--stop-at-step", min=0, help="Stop after this step with the periodic save written and --out not, as an "
+        "interrupted part (kvstate lab retrain replays a part that was stopped early and resumed).")] = None,
 ) -> None:
     """Train a reference model on the synthetic tasks with a context-length curriculum (CPU, bf16 autocast)."""
     _passive_openmp()
     from rich.console import Console
 
-    from kvstate.lab.training.train import TrainConfig, train
+    from kvstate.lab.training.train import PartStopped, TrainConfig, train
 
     if resume is not None and init_from is not None:
         raise KVStateError("--resume and --init-from exclude each other: a resumed run keeps its own weights")
     cfg = TrainConfig(arch=arch, minutes=minutes, seed=seed, **parse_overrides(overrides or []))
-    state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None, overwrite=overwrite)
+    try:
+        state = train(cfg, out, resume=resume, init_from=init_from, progress=True, log=lambda s: None,
+                      overwrite=overwrite, stop_at_step=stop_at_step)
+    except PartStopped as stopped:
+        Console().print(f"{out}: {stopped}")
+        return
     last = state["curve"][-1] if state["curve"] else {}
     Console().print(f"saved {out}: {state['params']:,} parameters, step {state['step']}, "
                     f"{state['tokens']:,} tokens, {state['seconds'] / 60:.1f} min, length {state['length']}, "

@@ -4,7 +4,10 @@
 start directory and first step in ``training_state.json`` (``commands``). Retraining replays them in
 order into a scratch directory (``runs/retrain/<name>/`` by default, never the committed model): each
 recorded output directory in a command is replaced by its own scratch folder (the scratch directory
-itself when every part wrote one directory), so a resumed part resumes the replayed part it resumed.
+itself when every part wrote one directory and none was stopped early), so a resumed part resumes the
+replayed part it resumed. A part that was stopped early (interrupted) and resumed from its periodic saves
+(``.<out>.partial``, where the next part starts) is replayed with ``--stop-at-step`` at the step the next part
+started from, so the replay stops where the original did, with the same periodic save to resume.
 The plan reads only the first part's start (a fresh model, or another committed model) and what earlier
 replayed parts wrote, and writes only inside the scratch directory: a run whose first recorded part did
 not start from step 0 of a fresh model nor from another committed model (parts trained before commands
@@ -28,7 +31,7 @@ from rich.console import Console
 from kvstate.errors import KVStateError
 from kvstate.lab.child import run_job
 from kvstate.lab.provenance import REPO
-from kvstate.lab.training.io import STATE_FILE, read_state
+from kvstate.lab.training.io import STATE_FILE, partial_dir, read_state
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Part:
     replay: str  # the command with every recorded output directory replaced by its scratch one
     from_step: int
     out: Path  # where the replay writes (inside the scratch folder)
+    stop_at_step: int | None = None  # the step the part was stopped at (the next part resumed its periodic save)
 
 
 def _norm(path: str) -> str:
@@ -91,9 +95,18 @@ def plan(model_dir: str | Path, scratch: str | Path | None = None) -> list[Part]
     # each recorded output directory gets its own scratch folder, so a part that resumed another part's output
     # (a new run) stays a new run, and one that resumed its own output (the same run) stays the same run
     outs = list(dict.fromkeys(_norm(c["out"]) for c in commands))
+    saves = {_norm(str(partial_dir(Path(o)))): o for o in outs}  # each output's periodic saves -> the output
+    # a part stopped early: a later part resumed its periodic saves, at the step the replay must stop at
+    stops: dict[int, int] = {}
+    for j, c in enumerate(commands[1:], 1):
+        src = saves.get(_norm(c.get("resume") or ""))
+        earlier = [k for k in range(j) if _norm(commands[k]["out"]) == src]
+        if earlier:
+            stops[earlier[-1]] = int(c["from_step"])
     names = [Path(o).name for o in outs]
-    where = {o: target if len(outs) == 1 else target / (n if names.count(n) == 1 else f"{i}-{n}")
+    where = {o: target if len(outs) == 1 and not stops else target / (n if names.count(n) == 1 else f"{i}-{n}")
              for i, (o, n) in enumerate(zip(outs, names, strict=True), 1)}
+    where.update({p: partial_dir(where[o]) for p, o in saves.items()})  # a --resume naming periodic saves
     parts, written = [], set()
     for i, c in enumerate(commands, 1):
         resume = c.get("resume")
@@ -106,8 +119,18 @@ def plan(model_dir: str | Path, scratch: str | Path | None = None) -> list[Part]
         if out is None or not _inside(Path(out), target):
             raise KVStateError(f"{d}: part {i} would write {out or '(no --out)'}, outside the scratch folder {target}; "
                                "its recorded command does not name its recorded output directory")
-        written.add(_norm(c["out"]))
-        parts.append(Part(c["command"], shlex.join(argv), int(c["from_step"]), Path(out)))
+        stop = stops.get(i - 1)
+        save = _norm(str(partial_dir(Path(c["out"]))))
+        if stop is not None:  # it ends with its periodic save at that step; its output is not written
+            if stop <= int(c["from_step"]):
+                raise KVStateError(f"{d}: part {i + 1} resumes the periodic save of part {i} at step {stop}, not after "
+                                   f"part {i}'s first step {c['from_step']}; the recorded parts are inconsistent")
+            argv += ["--stop-at-step", str(stop)]
+            written.add(save)
+        else:  # it ran to its end: its output written, its periodic saves dropped
+            written.add(_norm(c["out"]))
+            written.discard(save)
+        parts.append(Part(c["command"], shlex.join(argv), int(c["from_step"]), Path(out), stop))
     return parts
 
 

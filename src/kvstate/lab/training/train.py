@@ -195,7 +195,8 @@ def _restore_context(scope: Any, saved: Any, rank: int, world: int, where: str |
 
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = None,
           init_from: str | Path | None = None, progress: bool = True, log: Any = print,
-          overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None) -> dict[str, Any]:
+          overwrite: bool = False, context: Callable[[Any], AbstractContextManager[Any]] | None = None,
+          stop_at_step: int | None = None) -> dict[str, Any]:
     """Train ``cfg.arch`` for ``cfg.minutes`` (or ``cfg.max_steps``) and save to ``out_dir``; returns the state.
 
     ``resume`` continues a saved run (model, optimizer, curriculum stage, step); ``init_from`` seeds a new
@@ -203,7 +204,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
     that already holds files is refused unless ``overwrite`` (or it is the ``resume`` directory itself);
     it is replaced whole only when the run completes (:mod:`kvstate.lab.training.io`). A non-finite loss,
     gradient or weight stops the run with :class:`TrainError` and saves nothing. ``context(model)`` wraps
-    the loop (hooks on the model, e.g. routing).
+    the loop (hooks on the model, e.g. routing). ``stop_at_step`` stops the part after that global step as an
+    interrupted part stops: its periodic save written at that step, ``out`` not, and :class:`PartStopped` raised
+    (the replay of a part that was stopped early and resumed from its periodic save, ``kvstate lab retrain``).
     """
     from kvstate.lab.progress import progress_bar
     from kvstate.models.loading import load_model
@@ -273,6 +276,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
             elapsed = time.monotonic() - t_start
             if _agreed(elapsed >= budget or (cfg.max_steps is not None and step - step0 >= cfg.max_steps), ddp):
                 break
+            if stop_at_step is not None and step >= stop_at_step:
+                break
             pick = np.random.default_rng([cfg.seed, step, 11])
             shorter = length > cfg.start_length and pick.random() < cfg.shorter_share
             step_len = cfg.start_length * 2 ** int(pick.integers(math.log2(length // cfg.start_length))) if shorter else length
@@ -341,6 +346,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
                              {**state, "seconds": state["seconds"] + now - t_start, **extra})
                 last_save = now
     bar.close()
+    if stop_at_step is not None and step >= stop_at_step:
+        extra = _context_states(scope, ddp, world)
+        if rank == 0:
+            save_run(model, tokenizer, optimizer, partial_dir(out),
+                     {**state, "seconds": state["seconds"] + time.monotonic() - t_start, **extra})
+        raise PartStopped(f"stopped at step {step} (--stop-at-step {stop_at_step}) as the recorded part was: its "
+                          f"save is in {str(partial_dir(out))!r}; continue it with --resume")
     state["seconds"] += time.monotonic() - t_start
     state.update(_context_states(scope, ddp, world))
     model.eval()
@@ -348,6 +360,10 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: str | Path | None = 
         save_run(model, tokenizer, optimizer, out, state)
         drop_partial(out)
     return state
+
+
+class PartStopped(TrainError):
+    """A part stopped at its ``stop_at_step`` with its periodic save written, as a part interrupted there did."""
 
 
 def part_record(out: Path, resume: str | Path | None, step: int) -> dict[str, Any]:
@@ -366,5 +382,5 @@ def _agreed(flag: bool, ddp: bool) -> bool:
     return bool(t.item())
 
 
-__all__ = ["ARCHS", "CONTEXT_KEY", "GATE_TASKS", "TASK_MIX", "AuxiliaryLoss", "ResumableContext", "TrainConfig", "TrainError",
+__all__ = ["ARCHS", "CONTEXT_KEY", "GATE_TASKS", "TASK_MIX", "AuxiliaryLoss", "PartStopped", "ResumableContext", "TrainConfig", "TrainError",
            "load_state", "make_batch", "model_config", "train"]
