@@ -98,9 +98,10 @@ def serve_command(
     _threads(threads)
     config = ServerConfig(host=host, port=port, max_tokens=max_tokens)  # bad values fail before the model loads
     ctx = method_context(method, codec_dir, option, block)
+    payloads = open_store(store)  # a bad or unreachable store is one line before the model loads
     model, _ = load_pair_model(producer)
     pair, encode = registry.encoder(method, model, ctx)
-    service = producer_service(model, ctx.codec, open_store(store), encode, pair,
+    service = producer_service(model, ctx.codec, payloads, encode, pair,
                                variant=registry.get(method).variant(ctx))
 
     async def main() -> None:
@@ -141,8 +142,10 @@ def generate_command(
 
     from kvstate.transfer import methods as registry
     from kvstate.transfer.serving import consumer_generate
+    from kvstate.transfer.transport import parse_address
 
     _threads(threads)
+    parse_address(server)  # a malformed --server is one line before the model loads
     registry.get(method, shipped_only=True)
     limit = positions(consumer)
     if not 1 <= max_new_tokens <= (limit or 1 << 20):

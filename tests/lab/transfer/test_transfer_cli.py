@@ -300,3 +300,22 @@ def test_a_bench_on_a_dev_seed_into_models_is_refused_before_the_weights_load(
                                    str(codec_dir), "--n", "1", "--length", "256", "--seed", "5", "--out", str(out)])
     assert isinstance(res.exception, L.SeedRefused) and "bench.json: --seed 5 is a dev seed" in str(res.exception)
     assert loaded == [] and not out.exists()
+
+
+@pytest.mark.parametrize("command, bad, needle", [
+    ("generate", ["--server", "localhost"], "--server 'localhost' must be HOST:PORT"),
+    ("serve", ["--store", "mongodb://x"], "--store 'mongodb://x'"),
+])
+def test_an_argument_error_is_one_line_before_the_model_loads(pair_dirs: tuple[Path, Path], codec_dir: Path,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch, command: str,
+                                                              bad: list[str], needle: str) -> None:
+    import kvstate.transfer.cli
+
+    loaded: list[Path] = []
+    monkeypatch.setattr(kvstate.transfer.cli, "load_pair_model", lambda d: loaded.append(d) or (None, None))
+    p, c = pair_dirs
+    args = (["transfer", "generate", "--consumer", str(c), "--server", "127.0.0.1:1", "--prompt", "the cat"]
+            if command == "generate" else ["transfer", "serve", "--producer", str(p), "--port", "0"])
+    code, _, err = _main([*args, "--codec", str(codec_dir), *bad], capsys)
+    assert code == 2 and loaded == [] and len(err.splitlines()) == 1 and needle in err
