@@ -138,3 +138,34 @@ def test_a_converted_model_is_not_a_synthetic_task_reference(tmp_path: Path) -> 
     for name in ("config.json", "tokenizer.json"):
         (trained / name).write_text("{}")
     assert reference_dirs(tmp_path) == [trained]
+
+
+@needs_model
+@pytest.mark.parametrize("task", ["real_niah_single", "real_niah_multiquery", "real_vt"])
+def test_a_real_text_item_splits_into_context_and_question_token_for_token(task: str) -> None:
+    from kvstate.lab.semantic.bench import score_prediction
+    from kvstate.lab.semantic.protocol import QUESTION_MARK, build_items
+    from kvstate.lab.workloads import realtext as rt
+    from kvstate.models.loading import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    got = build_items(tok, task, 512, 2, 7)
+    for i, it in enumerate(got):
+        whole = rt.make_item(tok, task.removeprefix("real_"), 512, 7, i)
+        assert it.context + it.questions[0] == list(whole.prompt_ids)
+        assert QUESTION_MARK not in tok.decode(it.context) and QUESTION_MARK in tok.decode(it.questions[0])
+        assert len(it.questions[0]) < 80 and it.answers == [list(whole.answers)]
+        reply = "Sure.\nThe answer: " + ", ".join(whole.answers) + "."
+        assert score_prediction(it, 0, reply) == 1.0 and score_prediction(it, 0, "Sure.") == 0.0
+
+
+def test_a_real_text_task_on_a_model_without_a_chat_template_names_the_fix() -> None:
+    from kvstate.errors import KVStateError
+    from kvstate.lab.semantic.protocol import build_items
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(KVStateError) as e:
+        build_items(NoTemplate(), "real_niah_single", 512, 1, 7)
+    assert "chat template" in str(e.value) and "smollm2" in str(e.value) and "\n" not in str(e.value)

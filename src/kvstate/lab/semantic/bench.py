@@ -33,10 +33,10 @@ from kvstate.lab import stats
 from kvstate.lab.decode import greedy_decode
 from kvstate.lab.journal import Journal
 from kvstate.lab.perplexity import TextNLL, continuation_nll, pooled_perplexity
-from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer
+from kvstate.lab.scoring import METRIC_FUNCTIONS, extract_answer, string_match_all
 from kvstate.lab.semantic import methods
 from kvstate.lab.semantic.methods import Context, Prefilled, SekvOptions
-from kvstate.lab.semantic.protocol import PPL, Item
+from kvstate.lab.semantic.protocol import PPL, REAL_METRIC, Item
 from kvstate.semantic.cache import SemanticConfig
 from kvstate.semantic.config import SLOW_BUDGET
 from kvstate.semantic.router import SemanticRouter
@@ -74,6 +74,8 @@ class Outcome:
 
 
 def score_prediction(item: Item, q: int, prediction: str) -> float:
+    if item.metric == REAL_METRIC:  # a real-text reply: every answer anywhere in it (as the reference table)
+        return string_match_all(prediction, item.answers[q])
     return METRIC_FUNCTIONS[item.metric](extract_answer(prediction), item.answers[q])
 
 

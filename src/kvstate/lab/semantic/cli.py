@@ -66,7 +66,8 @@ def default_router_dir(model: Path) -> Path:
 EVAL_CODE = ("semantic", "models", "lab/semantic/bench.py", "lab/semantic/evaluate.py", "lab/semantic/protocol.py",
              "lab/semantic/methods",
              "lab/semantic/baselines_kvpress.py", "lab/semantic/kvpress_runner.py",
-             "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py")
+             "lab/decode.py", "lab/perplexity.py", "lab/scoring.py", "lab/stats.py", "lab/workloads/tasks.py",
+             "lab/workloads/realtext.py", "lab/models/realtext_eval.py")
 DEFAULT_METHODS = "full,sekv,sekv_fresh,sekv_raw,sekv_learned,sentencekv,quest,streaming,kivi,kvpress"
 
 
@@ -93,7 +94,8 @@ def eval_command(
                                              "comma-separated (default: the headline grid's 4:1 and 8:1).")] = "0.25,0.125",
     task: Annotated[str, typer.Option(help="Tasks, comma-separated (RULER-shaped tasks, niah_4q: four questions on one "
                                            "compressed cache, and ppl: held-out perplexity, compress the context then "
-                                           "continue).")] = "niah_single",
+                                           "continue; on a real model with a chat template real_niah_single, "
+                                           "real_niah_multikey, ...: the real-text needle tasks).")] = "niah_single",
     length: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024",
     methods: Annotated[str, typer.Option(help="Registered methods, comma-separated (`kvstate semantic methods` "
                                               "lists them): full, sekv and its ablations, the baselines, kvpress "
@@ -143,7 +145,7 @@ def eval_command(
         slow_summary,
         summarise,
     )
-    from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items
+    from kvstate.lab.semantic.protocol import CONTINUATION, MULTI_Q, PPL, build_items, real_tasks
     from kvstate.lab.workloads.tasks import TASKS
     from kvstate.models.loading import load_config
     from kvstate.semantic.config import SemanticConfig
@@ -154,7 +156,8 @@ def eval_command(
     set_threads(threads)
     budgets = parse_floats(budget, "--budget", lo=0.0, lo_open=True, hi=1.0, example="0.25,0.125,0.0625")
     lengths = parse_ints(length, "--length", lo=64, example="1024,2K")
-    tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL], example="niah_single,ppl")
+    tasks = parse_names(task, "--task", [*(x for x in TASKS if x != "text"), MULTI_Q, PPL, *real_tasks()],
+                        example="niah_single,ppl")
     chosen = parse_names(methods, "--methods", example="full,sekv,kvpress")
     selection = registry.resolve(chosen)  # unknown names: one error listing the registry
     presses = [p for names in selection.external.values() for p in names]

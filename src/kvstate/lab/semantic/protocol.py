@@ -9,6 +9,11 @@ into a context (prefilled and compressed) and a continuation of :data:`CONTINUAT
 afterwards one token at a time and scored through the compressed cache.
 Tasks are written to JSONL (:func:`write_jsonl`) so a runner in another environment sees the same
 token ids; results come back the same way.
+
+On a real pretrained model the ``real_*`` tasks (:data:`REAL_TASKS`) are the RULER needle shapes over licence
+text through the model's chat template (:mod:`kvstate.lab.workloads.realtext`, the reference table's items): the
+context is the chat prompt up to the end of the document, the "question" the rest of the prompt (the question and
+the generation prompt), scored as ``string_match_all`` over the whole reply, as the reference table scores it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from kvstate.io_safety import write_text_atomic
 from kvstate.lab.workloads.tasks import DEPTH_TASKS, Example, generate
 
 MULTI_Q = "niah_4q"
+REAL_PREFIX = "real_"  # real_niah_single, ...: the real-text tasks on a model with a chat template
+REAL_METRIC = "all_reply"  # string_match_all over the whole reply (not cut at its first full stop)
+QUESTION_MARK = "Answer in one short sentence."  # where a real-text prompt's question part begins
 PPL = "ppl"
 CONTINUATION = 64  # tokens of held-out text fed after the compressed context (the first is fed, not scored)
 
@@ -76,12 +84,47 @@ def _continuation(tokenizer: Any, ex: Example, length: int, index: int) -> Item:
     return Item(PPL, length, index, None, ids[:length], [cont], [[]], "ppl", [0])
 
 
+def real_tasks() -> tuple[str, ...]:
+    """The real-text task names (``real_`` + each :data:`kvstate.lab.workloads.realtext.TASKS`)."""
+    from kvstate.lab.workloads.realtext import TASKS as REAL
+
+    return tuple(REAL_PREFIX + t for t in REAL)
+
+
+def question_start(tokenizer: Any, ids: list[int]) -> int:
+    """The first token of a real-text prompt's question part: the largest ``k`` whose suffix ``ids[k:]`` still
+    decodes to text holding :data:`QUESTION_MARK` (a token that straddles the document's end goes with the
+    question, so context + question is the prompt, token for token)."""
+    for k in range(len(ids) - 1, -1, -1):
+        if QUESTION_MARK in tokenizer.decode(ids[k:]):
+            return k
+    raise KVStateError(f"a real-text prompt holds no {QUESTION_MARK!r}; it was not built by "
+                       "kvstate.lab.workloads.realtext")
+
+
+def _real_item(tokenizer: Any, task: str, length: int, seed: int, index: int) -> Item:
+    from kvstate.lab.models.realtext_eval import reply_budget
+    from kvstate.lab.workloads import realtext as rt
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise KVStateError(f"task {task!r} needs a model whose tokenizer has a chat template (a real pretrained "
+                           "model, e.g. models/smollm2-135m-instruct); the synthetic tasks are the names without "
+                           f"{REAL_PREFIX!r}")
+    x = rt.make_item(tokenizer, task[len(REAL_PREFIX):], length, seed, index)
+    ids = list(x.prompt_ids)
+    k = question_start(tokenizer, ids)
+    return Item(task, length, index, x.depth, ids[:k], [ids[k:]], [list(x.answers)], REAL_METRIC,
+                [reply_budget(tokenizer, x, 48)])
+
+
 def build_items(tokenizer: Any, task: str, length: int, n: int, seed: int) -> list[Item]:
     """``n`` held-out items of ``task`` (or :data:`MULTI_Q`, :data:`PPL`), needle depths spread evenly over [0, 1].
 
     :data:`PPL` items hold the context (``length`` tokens with ``<bos>``) and, as their one "question",
     the next :data:`CONTINUATION` tokens of the same held-out ``text`` example.
     """
+    if task.startswith(REAL_PREFIX):
+        return [_real_item(tokenizer, task, length, seed, i) for i in range(n)]
     if task == PPL:
         exs = generate("text", length + CONTINUATION, n, seed, tokenizer)
         return [_continuation(tokenizer, ex, length, i) for i, ex in enumerate(exs)]
