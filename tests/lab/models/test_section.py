@@ -64,3 +64,25 @@ def test_nothing_committed_shows_the_commands(models, tmp_path):
     assert all(r.status == "missing" for r in s.headline) and len(s.headline) == 4
     assert any("--length 4096 --n 100" in r.command for r in s.headline)
     assert json.loads(json.dumps(s.summary)) == s.summary and Path(tmp_path).is_dir()
+
+
+def test_the_exchange_is_shown_with_its_decision(models, tmp_path):
+    from kvstate.lab.cli_output import write_results
+
+    e = X.Experiment(axis="position", name="serve-real-exchange", methods=("cold", "warm"), seeds=(1100,),
+                     tasks=("chat-2k-document",), lengths=(2048,), repeats=5, kind="timing",
+                     targets=(X.Target("cached TTFT p50 <= 1/2 uncached", "warm", "ratio", 0.5,
+                                       higher_is_better=False, against="cold"),),
+                     code=("lab/scoring.py",))
+    doc = X.run(e, lambda c: X.Measurement([8.0 + 0.1 * c.repeat if c.method == "cold" else 0.3 + 0.01 * c.repeat]))
+    turns = [{"question": "What is the special magic number for Wen?", "reply": "It is 2103556.",
+              "cached_tokens": 0, "prompt_tokens": 1683, "ttft_s": 7.0},
+             {"question": "And for Priya?", "reply": "It is 4209644.", "cached_tokens": 1714,
+              "prompt_tokens": 1736, "ttft_s": 0.35}]
+    result = {k: doc[k] for k in ("experiment", "rows", "pooled", "decisions")} | {"exchange": turns}
+    write_results(models / section.RESULTS / "serve_exchange.json", result, doc["provenance"], overwrite=False)
+    s = section.build(tmp_path, models)
+    row = next(r for r in s.headline if r.technique == "real model: kvstate serve")
+    assert row.status == "met" and row.measured.startswith("0.04×") and "320 vs 8200 ms" in row.measured
+    shown = next(t for t in s.tables if t.title.startswith("A real exchange"))
+    assert shown.rows[1] == ["And for Priya?", "It is 4209644.", "1,714 / 1,736", "350"]
