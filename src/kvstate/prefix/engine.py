@@ -439,7 +439,6 @@ class SparsePrefixCache:
         if not 0 < covered <= len(tokens):
             raise KVStateError(f"covered={covered} must be in 1..{len(tokens)} (the tokens the cache holds).")
         self._check_cache(cache, covered)
-        self._check_path(cache, tokens)
         origin = cache.origin if isinstance(cache, ResumableCache) else None
         if not trusted and origin != self.fingerprint:
             got = "carries no origin" if origin is None else f"was filled by model {origin[:12]}…"
@@ -447,6 +446,7 @@ class SparsePrefixCache:
                 f"insert: the cache {got}, not this model ({self.fingerprint[:12]}…); insert caches this engine's "
                 "prefill returned (generate keeps their tag), or pass trusted=True for a cache this model filled."
             )
+        self._check_path(cache, tokens)  # the model first (the more telling error), then the tokens
         dev = self.config.state_device
         states = {}
         if self.store.config.has_recurrent:

@@ -101,7 +101,7 @@ def test_bad_codec_ranks_and_patch_raise_one_clear_error(pair_dirs: tuple[Path, 
                       (["transfer", "calibrate", "--producer", str(p), "--consumer", str(c), "--out", str(tmp_path / "x"),
                         "--patch", "some"], "--patch"),
                       (["transfer", "generate", "--consumer", str(c), "--server", "localhost", "--prompt", "a b"],
-                       "not a codec directory")):
+                       "must be HOST:PORT")):  # the address is checked first, before anything loads
         res = CliRunner().invoke(app, [*args, *(["--codec", str(tmp_path)] if args[1] == "generate" else [])])
         assert isinstance(res.exception, KVStateError) and msg in str(res.exception), res.output
     assert not (tmp_path / "x").exists()  # nothing half-written

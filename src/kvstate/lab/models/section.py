@@ -166,8 +166,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                             [[t["question"], t["reply"], f"{t['cached_tokens']:,} / {t['prompt_tokens']:,}",
                               f"{t['ttft_s'] * 1e3:.0f}"] for t in turns]))
         for d in ex_art.run.get("decisions") or []:
-            cold = next((r for r in ex_art.run["rows"] if r["method"] == "cold"), None)
-            warm = next((r for r in ex_art.run["rows"] if r["method"] == "warm"), None)
+            arms = {r["method"]: r for r in ex_art.run["rows"]}
+            cold, warm = arms.get("cold"), arms.get("warm")
             measured = f"{d['value']:.2f}× (TTFT p50 {warm['value'] * 1e3:.0f} vs {cold['value'] * 1e3:.0f} ms)" \
                 if cold and warm else f"{d['value']:.2f}×"
             headline.append(artifact_row(ex_art, "real model: kvstate serve", d["label"], measured,
