@@ -11,15 +11,10 @@ from kvstate.lab import experiment as X
 from kvstate.lab import ledger as L
 from kvstate.lab import provenance as P
 from kvstate.lab.journal import journal_path
+from tests.lab import test_experiment as method_major
 from tests.lab.test_experiment import oracle, quality
 
-
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / "m").mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
+models = method_major.models  # the ledger's fixture: results_root in a temporary directory
 
 
 def per_item(item: X.Item) -> X.ItemResult:
