@@ -389,7 +389,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
     counters = metrics.ServerCounters()
     scheduler = Scheduler(config.max_queue, generator, config.policy, on_job_end=counters.outcome,
                           on_generation=counters.generation)
-    registry = metrics.registry(generator, scheduler, counters)
+    registry = metrics.registry(generator, scheduler, counters, config.model_id)
     h = _Handlers(generator, tokenizer, config, scheduler, counters)
     created = int(time.time())
 

@@ -18,7 +18,9 @@ waits for the longest request of a static batch. Here the rows are also hybrid /
   model (NemotronH, sliding-window layers, ...) is refused when the batch is built (``UnsupportedModelError``).
 
 Rows are read and rebuilt through kvstate's one state contract (:func:`snapshot_cache` /
-:func:`restore_cache`), never through transformers' layer internals. Joining or leaving copies the
+:func:`restore_cache`), never through transformers' layer internals; after every join, leave and step the
+batch measures the bytes its tensors hold (:class:`BatchBytes`: the rows' own KV, its left padding, the
+recurrent states), so another thread (a ``/metrics`` scrape) reads a consistent figure without touching them. Joining or leaving copies the
 batch's state a few times (snapshot, pad and stack, restore); transformers' ``DynamicLayer`` copies the
 whole KV on every step anyway.
 
@@ -55,6 +57,20 @@ RequestId = Hashable  # whatever the server names a request by (a string, an int
 
 
 @dataclass(frozen=True)
+class BatchBytes:
+    """Bytes the batch's tensors hold (numel × element size of each), measured after its last change."""
+
+    rows: int = 0  # requests the bytes are held for
+    kv: int = 0  # attention keys and values of the rows' own tokens
+    padding: int = 0  # attention keys and values of the left pads (a shorter row padded to the longest)
+    recurrent: int = 0  # conv and recurrent states
+
+    @property
+    def total(self) -> int:
+        return self.kv + self.padding + self.recurrent
+
+
+@dataclass(frozen=True)
 class BatchConfig:
     max_batch: int = 8  # rows decoded together at most; add() refuses one more
 
@@ -83,6 +99,8 @@ class DecodeBatch:
         self._cache: DynamicCache | None = None  # None while the batch is empty
         self._mask = torch.zeros((0, 0), dtype=torch.long, device=self._device)  # (B, Lmax): 0 on left pads
         self._broken: str | None = None  # why the batched state was lost (a forward that raised)
+        self.held = BatchBytes()  # replaced whole after every change: safe to read from another thread
+        self.peak_bytes = 0  # the most bytes held at once (BatchBytes.total)
 
     # -- inspection ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -143,6 +161,7 @@ class DecodeBatch:
         self._lengths.append(length)
         self._origins.append(getattr(cache, "origin", None))
         self._paths.append(getattr(cache, TOKEN_PATH, None))
+        self._measure()
 
     def remove(self, rid: RequestId) -> None:
         """The row leaves the batch now; left padding that no remaining row needs is trimmed. Removing the
@@ -157,6 +176,7 @@ class DecodeBatch:
             self._install([_select(self._snapshot(), keep)], lengths)
         del self._rows[i], self._origins[i], self._paths[i]
         self._lengths = lengths
+        self._measure()
 
     @torch.no_grad()
     def step(self, tokens: Mapping[RequestId, int]) -> dict[RequestId, torch.Tensor]:
@@ -202,6 +222,7 @@ class DecodeBatch:
         if mask is not None:
             self._mask = mask
         self._lengths = [n + 1 for n in self._lengths]
+        self._measure()
         return {rid: logits[i] for i, rid in enumerate(self._rows)}  # each (V,)
 
     def cache_of(self, rid: RequestId) -> ResumableCache:
@@ -239,6 +260,20 @@ class DecodeBatch:
         assert self._cache is not None and self._rows, "snapshot of an empty batch"
         lmax = self._lmax() if self._has_attention else 0
         return snapshot_cache(self._cache, lmax, self._kinds, clone=False)
+
+    def _measure(self) -> None:
+        """Set :attr:`held` from the tensors the batch holds now (views: nothing is copied)."""
+        if self._cache is None or not self._rows:
+            self.held = BatchBytes()
+            return
+        if self._broken is not None:  # the state is unusable; it is freed when the last row leaves
+            return
+        snap = self._snapshot()
+        kv = snap.attention_nbytes
+        slots = len(self._rows) * snap.length  # positions each attention layer holds, pads included
+        padding = kv * (slots - sum(self._lengths)) // slots if self._has_attention and slots else 0
+        self.held = BatchBytes(len(self._rows), kv - padding, padding, snap.recurrent_nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.held.total)
 
     def _check_row(self, rid: RequestId, row: CacheSnapshot, current: CacheSnapshot | None) -> None:
         """One row of this model's shapes and dtypes, on its device, like the rows already in the batch."""

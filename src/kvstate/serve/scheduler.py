@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from kvstate.errors import KVStateError
-from kvstate.serve.batching import BatchConfig, DecodeBatch
+from kvstate.serve.batching import BatchBytes, BatchConfig, DecodeBatch
 from kvstate.serve.generation import Decoding, Generation, GenerationRequest, Generator
 from kvstate.serve.policy import BatchPolicy, Waiting
 
@@ -106,6 +106,16 @@ class Scheduler:
         """Requests waiting (the running ones not counted)."""
         with self._cond:
             return len(self._waiting)
+
+    @property
+    def batch_bytes(self) -> BatchBytes:
+        """Bytes the running decode batch holds for its requests, as measured after its last change (a request
+        being prefilled is not in it yet)."""
+        return BatchBytes() if self._batch is None else self._batch.held
+
+    @property
+    def batch_peak_bytes(self) -> int:
+        return 0 if self._batch is None else self._batch.peak_bytes
 
     @property
     def closing(self) -> bool:
