@@ -8,6 +8,10 @@ then ``commit`` (insert the suffix's KV once into the tree, the captured states 
 unpinned leaves under the byte budget) — or ``abort`` if the forward pass failed. Output equals the
 same segmented computation bit for bit.
 
+With ``grid=GridConfig(...)`` a prefill also captures the recurrent state on a coarse block grid within a
+byte share (:mod:`kvstate.prefix.grid`), so the second sighting of a prefix resumes at most one block before
+where it diverges; the exact placement refines (and thins) it as overlaps are observed.
+
 With ``PrefixCacheConfig(remote="redis://...")`` the engine also writes what it computed through to a
 shared tier and, on a local miss, resumes from there (``shared_tier.py``): replicas of one model share
 their prefixes.
@@ -40,6 +44,7 @@ from kvstate.models import (
 )
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.events import CacheEvents
+from kvstate.prefix.grid import GridConfig, GridLedger, affordable, grid_positions, grid_step, to_thin
 from kvstate.prefix.hashing import path_hash
 from kvstate.prefix.placement import Placement, plan_checkpoints
 from kvstate.prefix.remote import RedisTier, RemoteTier
@@ -90,9 +95,10 @@ class SparsePrefixCache:
         state_device: str | None = None,
         placement: Placement | str = Placement.PATH,
         remote_tier: RemoteTier | None = None,
+        grid: GridConfig | None = None,
     ) -> None:
         """``remote_tier``: the shared tier's byte store (default: :class:`RedisTier` on ``config.remote``;
-        tests pass their own)."""
+        tests pass their own). ``grid``: grid checkpoints for first sightings (None: off, as before)."""
         cfg = (
             budget_bytes
             if isinstance(budget_bytes, PrefixCacheConfig)
@@ -136,8 +142,14 @@ class SparsePrefixCache:
             planner=self._plan,
             splitter=split_segment,
             sizer=held_nbytes,
-            observer=self.events,
+            observer=self._heard,
         )
+        self.grid = grid
+        on = grid is not None and grid.enabled and has_rec
+        self._grid_step = grid_step(grid.block, self.align) if on and grid is not None else 0
+        self._grid_budget = int(cfg.budget_bytes * grid.budget_share) if on and grid is not None else 0
+        self._grid_each = self.store.config.checkpoint_bytes  # a grid state's bytes (the last one measured)
+        self.grid_ledger = GridLedger()  # the grid states held now and their bytes
         self._lock = threading.Lock()
         self._shared: SharedTier | None = None
         self._layout_memo: Layout | None = None
@@ -146,6 +158,61 @@ class SparsePrefixCache:
             tier = remote_tier if remote_tier is not None else RedisTier(str(cfg.remote))
             self._shared = SharedTier(tier, self.fingerprint, self.align, self._kinds, cfg.remote_retry_s, key)
             self._shared.layout = self._layout()
+
+    def _heard(self, event: str, kind: str, tokens: tuple[int, ...], start: int) -> None:
+        """The store's observer: the cache events, and the grid ledger's bookkeeping."""
+        self.events(event, kind, tokens, start)
+        self.grid_ledger.heard(event, kind, tokens)
+
+    # -- grid checkpoints (kvstate.prefix.grid); the store has no verb that drops one state, so these use
+    # its walk and its state removal, which keep its byte counters and events right; called under the lock
+    def _grid_cuts(self, start: int, n: int, capture: Sequence[int]) -> list[int]:
+        """Grid positions this pass also captures: multiples of the grid step past the resume point, before
+        the end states, not planned already, as many as the grid's byte share could hold."""
+        if not self._grid_step:
+            return []
+        cands = [p for p in grid_positions(start, n - 1, self._grid_step) if p not in set(capture)]
+        return affordable(cands, self._grid_each, 0, self._grid_budget)
+
+    def _drop_grid_state(self, tokens: tuple[int, ...], p: int) -> None:
+        path, _ = self.store._walk(tokens[:p])
+        self.store._drop_state(path, p)
+
+    def _grid_room(self, sizes: dict[int, int]) -> dict[int, int]:
+        """Evict the least recently used grid states until ``sizes`` fit the grid's share; what still does
+        not fit (the deepest first) is not kept."""
+        need = sum(sizes.values())
+        led = self.grid_ledger
+        if led.nbytes + need > self._grid_budget:
+            clock = []
+            for e in led.entries():
+                path, _ = self.store._walk(e.tokens[: e.position])
+                st = self.store._find_state(path, e.position)
+                clock.append((st.last_access if st is not None else -1, e.position, e))
+            for _, _, e in sorted(clock, key=lambda x: (x[0], x[1])):
+                if led.nbytes + need <= self._grid_budget:
+                    break
+                self._drop_grid_state(e.tokens, e.position)
+        keep = dict(sizes)
+        for p in sorted(sizes, reverse=True):
+            if led.nbytes + sum(keep.values()) <= self._grid_budget:
+                break
+            del keep[p]
+        return keep
+
+    def _thin_grid(self, txn: Txn) -> None:
+        """After a served request: drop the grid states on its shared path that the exact plan does not keep,
+        where at least ``thin_after`` overlaps were observed."""
+        g, t = self.grid, min(txn.hit.overlap, len(txn.tokens))
+        if g is None or g.thin_after <= 0 or not self._grid_step or t < self._grid_step:
+            return
+        held = self.grid_ledger.held_at(txn.tokens, grid_positions(0, t + 1, self._grid_step))
+        if not held:
+            return
+        path, _ = self.store._walk(txn.tokens[:t])
+        observed = [(p, next((v.sub_mass for v in path if v.top < p <= v.depth), 0.0)) for p in held]
+        for p in to_thin(held, txn.plan, txn.hit.position, observed, g.thin_after):
+            self._drop_grid_state(txn.tokens, p)
 
     def _layout(self) -> Layout:
         """This model's per-layer state shapes and dtypes, from one token's forward (once): what the shared
@@ -345,6 +412,7 @@ class SparsePrefixCache:
                     self.store.abort(txn)
                     raise
                 self.store.commit(txn, {}, None)  # learns from the request and counts it
+                self._thin_grid(txn)
                 return served
         try:
             # on a local miss, the shared tier may hold a deeper state (another replica computed it)
@@ -363,7 +431,9 @@ class SparsePrefixCache:
                 cache = self._restore(txn, start) if start or full_state else None
             rec = self.store.config.has_recurrent
             capture = [p for p in txn.capture if p > start]
-            cuts = sorted(set(capture) | ({end} if rec and end > start else set()))
+            with self._lock:
+                grid = self._grid_cuts(start, n, capture)
+            cuts = sorted(set(capture) | set(grid) | ({end} if rec and end > start else set()))
             result_cache: ResumableCache
             if remote is not None and start == end:  # the forward pass below advances `cache` in place
                 result_cache = build_cache(self.model.config, self._kinds, parts, remote_state, start, self._device)
@@ -373,6 +443,7 @@ class SparsePrefixCache:
             )
             dev = self.config.state_device
             states = {p: to_device(out.snapshots[p], dev) for p in capture}
+            grid_states = {p: to_device(out.snapshots[p], dev) for p in grid}
             if remote_state is not None and start in txn.capture:
                 states[start] = to_device(remote_state, dev)
             if full_state:
@@ -412,9 +483,20 @@ class SparsePrefixCache:
                 self.store.abort(txn)
             raise
         with self._lock:
-            self.store.commit(txn, states, kv if self.store.config.has_attention else None, logits)
-        if self._shared is not None:  # write through what this pass computed
-            self._shared.write(tokens, start, live, {p: out.snapshots[p] for p in cuts}, n)
+            if grid_states:
+                measured = {p: held_nbytes(s) for p, s in grid_states.items()}
+                self._grid_each = max(measured.values())
+                sizes = self._grid_room(measured)
+                states |= {p: grid_states[p] for p in sizes}
+                self.grid_ledger.expect(tokens, sizes)
+            try:
+                self.store.commit(txn, states, kv if self.store.config.has_attention else None, logits)
+            finally:
+                self.grid_ledger.settle()
+            self._thin_grid(txn)
+        if self._shared is not None:  # write through what this pass computed (grid states stay local)
+            written = [p for p in cuts if p not in grid_states]
+            self._shared.write(tokens, start, live, {p: out.snapshots[p] for p in written}, n)
         return PrefillResult(
             logits=out.logits,
             cache=self._tagged(result_cache, tokens, end),

@@ -384,7 +384,7 @@ def create_app(model: Any, tokenizer: Any, config: ServeConfig) -> FastAPI:
     cache = None
     if config.budget_bytes is not None:
         cache = SparsePrefixCache(model, PrefixCacheConfig(config.budget_bytes, remote=config.remote,
-                                                           remote_key_file=config.remote_key_file))
+                                                           remote_key_file=config.remote_key_file), grid=config.grid)
     generator = Generator(model, tokenizer, cache)
     counters = metrics.ServerCounters()
     scheduler = Scheduler(config.max_queue, generator, config.policy, on_job_end=counters.outcome,

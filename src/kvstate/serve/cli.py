@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+GRID_BLOCK = 256  # kvstate.prefix.grid.DEFAULT_BLOCK, written out so that the command's options load without it
+
 
 def serve_command(
     model: Annotated[Path, typer.Option("--model", help="A local model directory with its tokenizer.")],
@@ -39,12 +41,20 @@ def serve_command(
     shutdown_grace: Annotated[float, typer.Option("--shutdown-grace", min=0, max=86_400, help="Seconds the requests "
                                                   "running at SIGTERM may finish in (new ones get 503); then they "
                                                   "are ended with an error, and the server exits 0.")] = 30.0,
+    grid_block: Annotated[int, typer.Option("--grid-block", min=0, help="Tokens between the recurrent-state "
+                                            "checkpoints a prefill keeps on a grid (hybrid models), so a prefix's "
+                                            "second sighting resumes at most one block before it diverges; 0: "
+                                            "off.")] = GRID_BLOCK,
+    grid_budget_share: Annotated[float, typer.Option("--grid-budget-share", min=0.0, max=1.0, help="The share "
+                                                     "of --budget-bytes the grid checkpoints may hold (least "
+                                                     "recently used ones go first).")] = 0.25,
     policy: Annotated[str, typer.Option("--policy", help="Admission order: fifo or longest-prefix (the request "
                                         "with the longest prefix-cache hit first).")] = "fifo",
 ) -> None:
     """An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics) with the sparse prefix
     cache under every request."""
     from kvstate.errors import KVStateError
+    from kvstate.prefix.grid import GridConfig
     from kvstate.prefix.shared_tier import KEY_ENV, load_key
     from kvstate.serve.config import ServeConfig
     from kvstate.serve.policy import BatchPolicy
@@ -65,6 +75,7 @@ def serve_command(
         policy=BatchPolicy(policy, max_batch, max_tokens_per_step),
         max_preparing=max_preparing,
         shutdown_grace_s=shutdown_grace,
+        grid=GridConfig(block=grid_block, budget_share=grid_budget_share),
     )
     if remote is not None:
         load_key(config.remote_key_file)  # a bad key file is one line before the model loads

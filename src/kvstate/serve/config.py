@@ -1,11 +1,13 @@
-"""The server's one configuration (pure): model name, prefix-cache budget and shared tier (and its key), queue
-bound, batching policy, request body limit, default reply length, shutdown grace."""
+"""The server's one configuration (pure): model name, prefix-cache budget and shared tier (and its key), the
+prefix cache's grid checkpoints, queue bound, batching policy, request body limit, default reply length,
+shutdown grace."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvstate.errors import KVStateError
+from kvstate.prefix.grid import GridConfig
 from kvstate.prefix.remote import check_remote_url
 from kvstate.serve.policy import BatchPolicy
 from kvstate.validate import check_int
@@ -26,6 +28,9 @@ class ServeConfig:
     max_preparing: int = 2
     # seconds the requests admitted before a SIGTERM may run on; then they are ended (a stream with an error event)
     shutdown_grace_s: float = 30.0
+    # recurrent-state checkpoints every `grid.block` tokens of a prefill (hybrids), so a prefix's second sighting
+    # resumes at most one block before it diverges; GridConfig(block=0) turns them off
+    grid: GridConfig = field(default_factory=GridConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id.strip():
@@ -51,6 +56,8 @@ class ServeConfig:
             raise KVStateError("remote_key_file: a key signs the shared tier's entries; pass --remote too, or drop the key")
         if not isinstance(self.policy, BatchPolicy):
             raise KVStateError(f"policy: must be a BatchPolicy, got {type(self.policy).__name__}")
+        if not isinstance(self.grid, GridConfig):
+            raise KVStateError(f"grid: must be a GridConfig, got {type(self.grid).__name__}")
 
     @property
     def cache_enabled(self) -> bool:
