@@ -10,14 +10,15 @@ default), decodes ``--output-tokens`` greedy tokens and inserts prompt + reply. 
 cache without grid checkpoints (``off``) and with ``GridConfig(block=B)`` for each ``--blocks`` B (``on-B``),
 interleaved (their order rotates by round), one thread.
 
-Reports per arm: the fraction of 2nd visits restoring >= 90% of the prefix (Wilson interval), the restored
-tokens, the TTFT of primes (cold prefills: what the grid's captures cost) and of 2nd visits (prefill + the
+Reports per arm: the fraction of 2nd visits restoring >= 90% of the prefix (Wilson interval; with
+``--diverge anywhere`` a probe shares a uniform random depth of it, and the share is of that depth), the
+restored tokens, the TTFT of primes (cold prefills: what the grid's captures cost) and of 2nd visits (prefill + the
 first token's choice; no HTTP), as medians over rounds of each round's median with the rounds' spread, and
 the per-round ratio to ``off``. Ignored: the HTTP layer, concurrency > 1, sampling.
 
 Usage: ``OMP_NUM_THREADS=1 python benchmarks/prefix_second_visit.py [--model models/ref-hybrid] [--rounds 5]
 [--prefixes 4] [--prefix-tokens 1024] [--suffix-tokens 64] [--output-tokens 16] [--blocks 256] [--chunk 512]
-[--seed 7] [--out FILE]``. A table on stderr, one JSON line on stdout; ``--out`` appends the run with its
+[--diverge end|anywhere] [--seed 7] [--out FILE]``. A table on stderr, one JSON line on stdout; ``--out`` appends the run with its
 provenance.
 """
 
@@ -59,17 +60,26 @@ def word_ids(tokenizer: Any, vocab: int) -> list[int]:
 
 
 def workload(ids: list[int], bos: tuple[int, ...], prefixes: int, prefix_len: int, suffix_len: int,
-             rng: random.Random) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+             rng: random.Random, anywhere: bool = False) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     """Primes and probes: prefix i + its own tail, then prefix i + a tail whose first token differs. Each
-    prefix starts with ``bos`` (what the tokenizer puts before every prompt), so prefixes share it."""
+    prefix starts with ``bos`` (what the tokenizer puts before every prompt), so prefixes share it.
+    ``anywhere``: a probe shares only the first ``d`` tokens of its prime, ``d`` uniform in ``[1, prefix_len]``."""
     primes, probes = [], []
     for _ in range(prefixes):
         pre = bos + tuple(rng.choice(ids) for _ in range(prefix_len - len(bos)))
         a = tuple(rng.choice(ids) for _ in range(suffix_len))
-        b = tuple(rng.choice([i for i in ids if i != a[0]]) if k == 0 else rng.choice(ids) for k in range(suffix_len))
-        primes.append(pre + a)
-        probes.append(pre + b)
+        prime = pre + a
+        d = rng.randint(1, prefix_len) if anywhere else prefix_len
+        b = tuple(rng.choice([i for i in ids if i != prime[d]]) if k == 0 else rng.choice(ids)
+                  for k in range(suffix_len + prefix_len - d))
+        primes.append(prime)
+        probes.append(prime[:d] + b)
     return primes, probes
+
+
+def shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Tokens ``a`` and ``b`` have in common from the start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def serve_one(gen: Generator, prompt: tuple[int, ...], max_tokens: int, chunk: int) -> dict[str, Any]:
@@ -94,14 +104,15 @@ def run_arm(model: Any, tokenizer: Any, grid: GridConfig | None, primes: list[tu
     cache = SparsePrefixCache(model, PrefixCacheConfig(a.budget_bytes), grid=grid)  # the flush: a fresh store
     gen = Generator(model, tokenizer, cache)
     prime = [serve_one(gen, x, a.output_tokens, a.chunk) for x in primes]
-    probe = [serve_one(gen, x, a.output_tokens, a.chunk) for x in probes]
+    probe = [serve_one(gen, x, a.output_tokens, a.chunk) | {"shared": shared(x, y)} for x, y in zip(probes, primes,
+                                                                                               strict=True)]
     return {"prime": prime, "probe": probe, "grid_bytes": cache.grid_ledger.nbytes,
             "bytes": cache.bytes_by_kind()}
 
 
-def summarize(rounds: list[dict[str, Any]], arm: str, prefix_len: int) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], arm: str) -> dict[str, Any]:
     probes = [r for rd in rounds for r in rd[arm]["probe"]]
-    hits = sum(r["reused"] >= HIT_SHARE * prefix_len for r in probes)
+    hits = sum(r["reused"] >= HIT_SHARE * r["shared"] for r in probes)
     share = wilson(hits, len(probes))
     prime_t = [statistics.median(r["ttft_s"] for r in rd[arm]["prime"]) for rd in rounds]
     probe_t = [statistics.median(r["ttft_s"] for r in rd[arm]["probe"]) for rd in rounds]
@@ -112,6 +123,8 @@ def summarize(rounds: list[dict[str, Any]], arm: str, prefix_len: int) -> dict[s
         "share_ge_90pct": share.value, "share_ci": share.ci,
         "restored_tokens": sorted(r["reused"] for r in probes),
         "restored_tokens_median": statistics.median(r["reused"] for r in probes),
+        "shared_tokens_total": sum(r["shared"] for r in probes),
+        "restored_tokens_total": sum(r["reused"] for r in probes),
         "prime_ttft_s": {"median": pt.value, "spread": [min(prime_t), max(prime_t)], "rounds": prime_t},
         "second_visit_ttft_s": {"median": vt.value, "spread": [min(probe_t), max(probe_t)], "rounds": probe_t},
         "grid_bytes_held": [rd[arm]["grid_bytes"] for rd in rounds],
@@ -130,6 +143,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[256], help="a grid arm per GridConfig.block")
     ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per forward call (the server's default)")
     ap.add_argument("--budget-bytes", type=int, default=1 << 30)
+    ap.add_argument("--diverge", choices=("end", "anywhere"), default="end",
+                    help="end: probes diverge right after the prefix (SGLang's protocol); anywhere: at a uniform depth")
     ap.add_argument("--seed", type=int, default=7, help="workload seed (a dev seed: < 1000)")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -147,7 +162,7 @@ def main() -> None:
         run_arm(model, tokenizer, grid, *warm, a)
     rounds: list[dict[str, Any]] = []
     for r in range(a.rounds):
-        primes, probes = workload(ids, bos, a.prefixes, a.prefix_tokens, a.suffix_tokens, random.Random(a.seed * 1000 + r))
+        primes, probes = workload(ids, bos, a.prefixes, a.prefix_tokens, a.suffix_tokens, random.Random(a.seed * 1000 + r), a.diverge == "anywhere")
         names = list(arms)
         order = names[r % len(names):] + names[: r % len(names)]
         rd: dict[str, Any] = {}
@@ -158,9 +173,10 @@ def main() -> None:
                 f"{[round(x['ttft_s'] * 1e3) for x in rd[arm]['prime']]} ms)")
         rounds.append(rd)
     out: dict[str, Any] = {"benchmark": "prefix_second_visit", "model": str(a.model), "hit_share": HIT_SHARE,
+                           "diverge": a.diverge,
                            "bos": list(bos)}
     for arm in arms:
-        out[arm] = summarize(rounds, arm, a.prefix_tokens)
+        out[arm] = summarize(rounds, arm)
     def med(rd: dict[str, Any], arm: str, kind: str) -> float:
         return statistics.median(x["ttft_s"] for x in rd[arm][kind])
 
