@@ -171,7 +171,8 @@ class SparsePrefixCache:
         the end states, not planned already, as many as the grid's byte share could hold."""
         if not self._grid_step:
             return []
-        cands = [p for p in grid_positions(start, n - 1, self._grid_step) if p not in set(capture)]
+        planned = set(capture)
+        cands = [p for p in grid_positions(start, n - 1, self._grid_step) if p not in planned]
         return affordable(cands, self._grid_each, 0, self._grid_budget)
 
     def _drop_grid_state(self, tokens: tuple[int, ...], p: int) -> None:
