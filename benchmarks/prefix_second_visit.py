@@ -82,6 +82,7 @@ def shared(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
+@torch.no_grad()
 def serve_one(gen: Generator, prompt: tuple[int, ...], max_tokens: int, chunk: int) -> dict[str, Any]:
     """One request at concurrency 1 as the server runs it: chunked prefill, decode, insert; its TTFT."""
     req = GenerationRequest(prompt, max_tokens, sampling=SamplingParams(temperature=0.0, ignore_eos=True))
