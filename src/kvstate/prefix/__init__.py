@@ -6,9 +6,7 @@
 - store (pure bookkeeping, one radix tree with shared KV, one transaction per request) +
   :class:`SparsePrefixCache` (torch glue, configured by :class:`PrefixCacheConfig`): dense attention KV +
   sparse recurrent checkpoints under one byte budget, exact resume; :func:`chat_boundaries` (torch glue)
-  derives the boundaries a request declares from the model's chat template;
-- grid checkpoints (pure policy, :class:`GridConfig`): the recurrent state on a coarse block grid during a
-  prefill, within a byte share, so a prefix's second sighting resumes at most one block back.
+  derives the boundaries a request declares from the model's chat template.
 """
 
 from importlib import import_module
@@ -16,7 +14,6 @@ from typing import Any
 
 from kvstate.prefix.config import PrefixCacheConfig
 from kvstate.prefix.eviction import Policy
-from kvstate.prefix.grid import GridConfig
 from kvstate.prefix.histogram import OverlapHistogram, regret_bound, total_variation
 from kvstate.prefix.placement import METHODS, expected_recompute, plan_checkpoints, plan_quadratic_dp
 from kvstate.prefix.store import Hit, PrefixStore, StoreConfig, StoreMetrics, Txn
@@ -30,7 +27,6 @@ from kvstate.prefix.tree_placement import (
 
 __all__ = [
     "METHODS",
-    "GridConfig",
     "Hit",
     "OverlapHistogram",
     "Policy",
