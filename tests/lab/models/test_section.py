@@ -44,7 +44,7 @@ def test_the_section_shows_the_table_perplexity_and_which_cells_are_solved(model
     assert (out / "smollm2_reference.png").is_file()
     missing = [r for r in s.headline if r.status == "missing"]
     assert sorted(Path(r.artifact).name for r in missing) == ["realtext_2048.json", "realtext_4096.json",
-                                                               "serve_exchange.json"]
+                                                               "serve_exchange.json", "serve_peer.json"]
     check = next(r for r in s.headline if r.kind == "check")
     assert check.met is True and "n >= 100" in check.measured
 
@@ -61,7 +61,7 @@ def test_a_table_below_the_headline_n_fails_its_check(models, tmp_path):
 def test_nothing_committed_shows_the_commands(models, tmp_path):
     s = section.build(tmp_path, models)
     assert s.tables == [] and "No committed reference table" in s.conclusion
-    assert all(r.status == "missing" for r in s.headline) and len(s.headline) == 4
+    assert all(r.status == "missing" for r in s.headline) and len(s.headline) == 5
     assert any("--length 4096 --n 100" in r.command for r in s.headline)
     assert json.loads(json.dumps(s.summary)) == s.summary and Path(tmp_path).is_dir()
 

@@ -7,7 +7,9 @@ Long-Context Language Models?"), one committed result file per context length
 (``models/smollm2/realtext_<length>.json``, :mod:`kvstate.lab.models.realtext_eval`), with the held-out perplexity
 beside it; the conversion's facts from the model's manifest; the measured throughput
 (``docs/results/smollm2_throughput.json``); and a two-turn chat through ``kvstate serve`` with the time to first
-token with and without a cache hit (``models/smollm2/serve_exchange.json``, :mod:`kvstate.lab.models.exchange`).
+token with and without a cache hit (``models/smollm2/serve_exchange.json``, :mod:`kvstate.lab.models.exchange`);
+the model served by ``kvstate serve`` and by HuggingFace's ``transformers serve`` under GuideLLM
+(``models/smollm2/serve_peer.json``, :mod:`kvstate.lab.models.peer_section`).
 Only committed files are read: the report stays cheap, and a stale or missing file shows the command that
 regenerates it.
 """
@@ -20,6 +22,7 @@ from typing import Any
 
 from kvstate.lab import protocol
 from kvstate.lab.experiment import headline_fields
+from kvstate.lab.models import peer_section
 from kvstate.lab.provenance import REPO, Artifact, load_artifact
 from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
@@ -177,9 +180,13 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         headline.append(artifact_row(ex_art, "real model: kvstate serve", "cached TTFT p50 <= 1/2 uncached at a 2K "
                                      "shared prefix (real model, c = 1)", ""))
     figures = [f for f in [_figure(cells, out_dir)] if f is not None]
+    peer_tables, peer_figures, peer_rows, peer_art, peer_line = peer_section.build(res, out_dir)
+    tables += peer_tables
+    figures += peer_figures
+    headline += peer_rows
     conclusion = (f"The real model solves {', '.join(solved) or 'no cell'} (>= {SOLVED}); it scores >= {USABLE} on "
                   f"{', '.join(usable) or 'no other cell'}; the other cells are below {USABLE} and no axis can show a "
-                  f"loss there. {exchange_line}") if cells else "No committed reference table yet; the rows name the " \
+                  f"loss there. {exchange_line} {peer_line}") if cells else "No committed reference table yet; the rows name the " \
         "command that writes it."
     return Section(
         key="real-model",
@@ -196,7 +203,8 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         headline=headline,
         summary={"cells": cells, "solved": solved, "usable": usable,
                  "files": {str(L): {"path": a.path, "status": a.status} for L, a in arts.items()},
-                 "exchange": {"path": ex_art.path, "status": ex_art.status}},
+                 "exchange": {"path": ex_art.path, "status": ex_art.status},
+                 "peer": {"path": peer_art.path, "status": peer_art.status}},
     )
 
 
