@@ -58,7 +58,16 @@ class PageStore:
         return self.slow_k.nbytes + self.slow_v.nbytes
 
     def full_nbytes(self) -> int:
-        return (self.anchor_k.shape[2] + self.slow_k.shape[1]) * self.token_bytes
+        return (self.anchor_k.shape[2] + self.n_mid) * self.token_bytes
+
+    @property
+    def n_mid(self) -> int:
+        """Tokens of the paged middle (the slow tier)."""
+        return int(self.slow_k.shape[1])
+
+    def read_pages(self, tok: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (H, n, D) of the middle's tokens ``tok``, as attention reads them."""
+        return self.slow_k[:, tok].to(dtype), self.slow_v[:, tok].to(dtype)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, *_: Any) -> None:
         self.anchor_k = torch.cat([self.anchor_k, keys], 2)
@@ -92,9 +101,9 @@ class PageStore:
                     if len(chosen) == k:
                         break
             chosen.sort()
-            m = self.slow_k.shape[1]
+            m = self.n_mid
             tok = torch.cat([torch.arange(p * self.page, min((p + 1) * self.page, m)) for p in chosen])
-            rk, rv = self.slow_k[:, tok].to(q.dtype), self.slow_v[:, tok].to(q.dtype)  # (H, n_sel, D)
+            rk, rv = self.read_pages(tok, q.dtype)  # (H, n_sel, D)
             read += rk.nbytes + rv.nbytes
             logits.append(qg @ rk.transpose(-1, -2) * scaling)  # (H, g*Tq, n_sel)
             vals.append(rv)
