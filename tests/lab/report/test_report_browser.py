@@ -112,8 +112,8 @@ def test_every_headline_number_is_in_summary_json(report):
     summary = json.loads((report / "summary.json").read_text())
     parser = _Headline()
     parser.feed((report / "index.html").read_text())
-    assert len(parser.rows) == len(summary["headline"]) >= 6
-    assert len(summary["checks"]) >= 2  # rows that hold by construction are apart, not in the headline table
+    assert len(parser.rows) == len(summary["headline"]) >= 4
+    assert len(summary["checks"]) >= 4  # rows that hold by construction are apart, not in the headline table
     for cells, row in zip(parser.rows, summary["headline"], strict=True):
         technique, target, measured = (c.strip() for c in cells[:3])
         assert (technique, target, measured) == (row["technique"], row["target"], row["measured"])

@@ -10,6 +10,7 @@ per target with the measured value.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from kvstate.lab import stats
+from kvstate.lab import protocol, stats
 from kvstate.lab.provenance import Artifact, load_artifact
+from kvstate.lab.report import floor
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
 from kvstate.lab.training.io import read_state
 
@@ -113,18 +115,46 @@ def _f3(x: float | None) -> str:
     return "—" if x is None else f"{x:.3f}"
 
 
-def _drop(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
-    """``score(a) - score(b) > 0.03``; None when either pools nothing."""
-    return None if a["score"] is None or b["score"] is None else a["score"] - b["score"] > 0.03
+def _signs(ppl: stats.Estimate | None, drop: stats.Estimate | None) -> str:
+    """The paired intervals a 'measurably worse' row is decided on, in words."""
+    out = []
+    if ppl is not None:
+        out.append(f"ppl {ppl.value:+.1%} [{ppl.lo:+.1%}, {ppl.hi:+.1%}] over {ppl.n} texts")
+    if drop is not None:
+        out.append(f"score drop {100 * drop.value:+.1f} points [{100 * drop.lo:+.1f}, {100 * drop.hi:+.1f}] over "
+                   f"{drop.n} items")
+    return f"; paired: {', '.join(out)}" if out else ""
 
 
 def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) -> list[HeadlineRow]:
     rows: list[HeadlineRow] = []
 
+    def _rerun(names: tuple[str, ...]) -> str:
+        """Why a row without an interval is undecided, and the command that writes the per-item data."""
+        cmds = [arts[n].command for n in names if n in arts]
+        return f"; not decided: no interval in the committed file; rerun with `{' && '.join(cmds) or 'kvstate depth eval'}`"
+
+    def either(target: str, shown: str, parts: list[stats.Estimate | None], bars: list[float],
+               names: tuple[str, ...]) -> None:
+        """A target met by any of several measured signs (ppl worse by > bar, score lower by > bar), each decided on
+        its paired interval: met when one is met, missed when every one is missed, undecided otherwise."""
+        got = [(e, b) for e, b in zip(parts, bars, strict=True) if e is not None]
+        if not got:
+            add(target, shown + _rerun(names), None, names, status="undecided")
+            return
+        decided = [stats.decide(e.lo, e.hi, b) for e, b in got]
+        status = "met" if "met" in decided else "missed" if all(d == "missed" for d in decided) else "undecided"
+        pick = got[decided.index("met")] if "met" in decided else min(got, key=lambda eb: eb[0].hi - eb[1])
+        ci = (pick[0].lo, pick[0].hi)
+        add(target, shown, None, names, ci=ci, status=status)
+
     def add(target: str, measured: str, met: bool | None, names: tuple[str, ...] = (),
-            ci: tuple[float, float] | None = None, status: str = "") -> None:
+            ci: tuple[float, float] | None = None, status: str = "", because: str = "") -> None:
+        """A row from the files of ``names``; ``because``: a property by construction (a check, not a result)."""
         used = [arts[n] for n in names if n in arts]
-        if used and len(used) == len([n for n in names if n]):
+        if used and len(used) == len([n for n in names if n]) and because:
+            rows.append(check_row(TECH, target, bool(met), because, measured, art=_worst(used)))
+        elif used and len(used) == len([n for n in names if n]):
             rows.append(artifact_row(_worst(used), TECH, target, measured, met, ci=ci, status=status,
                                      rate=ci is not None))
         else:
@@ -142,8 +172,8 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
                 status=stats.decide(est.lo, est.hi, limit, higher_is_better=False))
         else:
             d = a["ppl"] / b["ppl"] - 1
-            add(target, f"{d:+.1%} ({what}: {a['ppl']:.3f} vs {b['ppl']:.3f}; no per-text NLL, unpaired)",
-                d <= limit, names)
+            add(target, f"{d:+.1%} ({what}: {a['ppl']:.3f} vs {b['ppl']:.3f}; no per-text NLL, unpaired){_rerun(names)}",
+                None, names, status="undecided")
 
     def score_row(target: str, a: dict[str, Any], b: dict[str, Any], factor: float, names: tuple[str, ...],
                   what: str) -> None:
@@ -156,7 +186,8 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
             add(target, f"{100 * est.value:+.1f} points [{100 * est.lo:+.1f}, {100 * est.hi:+.1f}] ({what}: {shown}, "
                 f"n = {est.n}, paired)", None, names, ci=(est.lo, est.hi), status=stats.decide(est.lo, est.hi, 0.0))
         else:
-            add(target, f"{what}: {shown} (no per-item scores, unpaired)", a["score"] >= factor * b["score"], names)
+            add(target, f"{what}: {shown} (no per-item scores, unpaired){_rerun(names)}", None, names,
+                status="undecided")
 
     rc, ctl, spec, base, kv1 = (res.get(n) for n in (RCLA, CONTROL, SPECIALIST, BASE, KV1))
     r1, r5 = (_at(rc, keep=1.0), _at(rc, keep=0.5)) if rc else (None, None)
@@ -168,7 +199,8 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
                 "R-CLA keep 0.5 vs 1-KV-head model")
         if r5["kv_bytes_per_token"] != k1["kv_bytes_per_token"]:
             add("equal-KV baseline holds the same KV bytes per token as R-CLA at keep 0.5",
-                f"{k1['kv_bytes_per_token']:g} vs {r5['kv_bytes_per_token']:g} B/token", False, (RCLA, KV1))
+                f"{k1['kv_bytes_per_token']:g} vs {r5['kv_bytes_per_token']:g} B/token", False, (RCLA, KV1),
+                because="the 1-KV-head model is configured to hold R-CLA keep 0.5's KV bytes per token")
     else:
         add("R-CLA keep 0.5 >= the equal-KV dense baseline (score and ppl, paired)", "missing eval files", None,
             (RCLA, KV1))
@@ -181,7 +213,10 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
             f"{len(fam)} patterns, n = {len(worst.get('items', []))})", None, (RCLA,), ci=(lo, hi),
             status=stats.decide(lo, hi, 0.90))
         add("R-CLA's declared family holds >= 2 distinct keep-0.5 patterns (one fixed pattern is CLA2)",
-            f"{len(fam)}: {', '.join(fam)}", len(fam) >= 2, (RCLA,))
+            f"{len(fam)}: {', '.join(fam)}", len(fam) >= 2, (RCLA,),
+            because="the family is every pattern the model's per-layer p declares (p_layer 1, 0.5, 1, 0.5: layers 1 "
+                    "and 3 may route), not a measurement (tests/lab/depth/test_depth_family_eval.py, "
+                    "tests/lab/depth/test_depth_checks.py)")
         if k1 and worst.get("items"):
             score_row("R-CLA keep 0.5 worst pattern >= the 1-KV-head model - 3 points (paired)",
                       {**r5, "score": r5["worst_score"], "items": [x + 0.03 for x in worst["items"]],
@@ -206,24 +241,40 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
         add("R-CLA keep 0.5 vs keep 1.0 (0.9x score, 1.03x ppl)", f"no {RCLA}/{EVAL_FILE}", None, (RCLA,))
     c1 = _at(ctl, keep=1.0) if ctl else None
     if r1 and c1:
-        inside = [c1[f"{k}_ci"] is not None and r1[k] is not None and c1[f"{k}_ci"][0] <= r1[k] <= c1[f"{k}_ci"][1]
-                  for k in ("ppl", "score")]
+        # the control's own interval around its value is the band: R-CLA at keep 1 should differ from the control
+        # by no more than the control's sampling noise; each difference decided on its paired interval
         ep, es = _ppl_vs(r1, c1), _score_vs(r1, c1)
-        paired = "" if ep is None or es is None else (
-            f"; paired R-CLA − control: ppl {ep.value:+.1%} [{ep.lo:+.1%}, {ep.hi:+.1%}] over {ep.n} texts, score "
-            f"{100 * es.value:+.1f} points [{100 * es.lo:+.1f}, {100 * es.hi:+.1f}] over {es.n} items")
-        add("R-CLA keep 1 within the no-routing control's interval (ppl and score)",
-            f"ppl {r1['ppl']:.3f} vs {c1['ppl']:.3f} [{c1['ppl_ci'][0]:.3f}, {c1['ppl_ci'][1]:.3f}]; score "
-            f"{_f3(r1['score'])} vs {_f3(c1['score'])} {c1['score_ci'] or '(nothing pooled)'}{paired}",
-            all(inside), (RCLA, CONTROL))
+        pband = (c1["ppl_ci"][0] / c1["ppl"] - 1, c1["ppl_ci"][1] / c1["ppl"] - 1)
+        sband = None if c1["score"] is None or r1["score"] is None or not c1.get("score_ci") else (
+            c1["score_ci"][0] - c1["score"], c1["score_ci"][1] - c1["score"])
+        shown = (f"ppl {r1['ppl']:.3f} vs {c1['ppl']:.3f} [{c1['ppl_ci'][0]:.3f}, {c1['ppl_ci'][1]:.3f}]; score "
+                 f"{_f3(r1['score'])} vs {_f3(c1['score'])} {c1['score_ci'] or '(nothing pooled)'}")
+        target = "R-CLA keep 1 within the no-routing control's interval (ppl and score)"
+        if ep is None or (sband is not None and es is None):
+            add(target, shown + _rerun((RCLA, CONTROL)), None, (RCLA, CONTROL), status="undecided")
+        else:
+            parts: list[tuple[stats.Estimate, tuple[float, float]]] = [(ep, pband)]
+            shown += (f"; paired R-CLA − control: ppl {ep.value:+.1%} [{ep.lo:+.1%}, {ep.hi:+.1%}] over {ep.n} texts "
+                      f"(band {pband[0]:+.2%}, {pband[1]:+.2%})")
+            if sband is not None and es is not None:
+                parts.append((es, sband))
+                shown += (f", score {100 * es.value:+.1f} points [{100 * es.lo:+.1f}, {100 * es.hi:+.1f}] over "
+                          f"{es.n} items (band {100 * sband[0]:+.1f}, {100 * sband[1]:+.1f})")
+            decided = [protocol.combine_status([stats.decide(e.lo, e.hi, band[0]),
+                                                stats.decide(e.lo, e.hi, band[1], higher_is_better=False)])
+                       for e, band in parts]
+            status = protocol.combine_status(decided)
+            pick = next((e for (e, _), d in zip(parts, decided, strict=True) if d == status), ep)
+            add(target, shown, None, (RCLA, CONTROL), ci=(pick.lo, pick.hi), status=status)
     else:
         add("R-CLA keep 1 within the no-routing control's interval", "missing eval files", None, (RCLA, CONTROL))
     b1, b5 = (_at(base, keep=1.0), _at(base, keep=0.5)) if base else (None, None)
-    if b1 and b5:
+    if b1 and b5:  # worse: ppl up by > 3% or score down by > 3 points, on the paired interval
         d = b5["ppl"] / b1["ppl"] - 1
-        add("post-hoc sharing of the base model measurably worse at keep <= 0.5",
-            f"keep 0.5: ppl {d:+.0%} ({b5['ppl']:.1f} vs {b1['ppl']:.2f}), score {_f3(b5['score'])} vs "
-            f"{_f3(b1['score'])}", d > 0.03 or bool(_drop(b1, b5)), (BASE,))
+        either("post-hoc sharing of the base model measurably worse at keep <= 0.5",
+               f"keep 0.5: ppl {d:+.0%} ({b5['ppl']:.1f} vs {b1['ppl']:.2f}), score {_f3(b5['score'])} vs "
+               f"{_f3(b1['score'])}" + _signs(_ppl_vs(b5, b1), _score_vs(b1, b5)),
+               [_ppl_vs(b5, b1), _score_vs(b1, b5)], [0.03, 0.03], (BASE,))
     else:
         add("post-hoc sharing of the base model measurably worse at keep <= 0.5", "missing eval file", None, (BASE,))
     rs, ss = (_at(rc, pattern=CLA2) if rc else None), (_at(spec, pattern=CLA2) if spec else None)
@@ -235,14 +286,17 @@ def headline(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) ->
     s25 = _at(spec, keep=0.25) if spec else None
     if ss and s25:
         d = s25["ppl"] / ss["ppl"] - 1
-        add("the CLA2 specialist degrades off its pattern (keep 0.25)",
-            f"{s25['pattern']}: ppl {d:+.0%} ({s25['ppl']:.2f} vs {ss['ppl']:.2f}), score {_f3(s25['score'])} vs "
-            f"{_f3(ss['score'])}", d > 0.03 or bool(_drop(ss, s25)), (SPECIALIST,))
+        either("the CLA2 specialist degrades off its pattern (keep 0.25)",
+               f"{s25['pattern']}: ppl {d:+.0%} ({s25['ppl']:.2f} vs {ss['ppl']:.2f}), score {_f3(s25['score'])} vs "
+               f"{_f3(ss['score'])}" + _signs(_ppl_vs(s25, ss), _score_vs(ss, s25)),
+               [_ppl_vs(s25, ss), _score_vs(ss, s25)], [0.03, 0.03], (SPECIALIST,))
     exact = [abs(r["kv_bytes_per_token"] - r["keep"] * _at(rows_, keep=1.0)["kv_bytes_per_token"]) < 1e-6
              for rows_ in res.values() if _at(rows_, keep=1.0) for r in rows_]
     if exact:
         add("KV bytes per token exactly proportional to kept layers (measured from cache tensors)",
-            f"{sum(exact)}/{len(exact)} rows exact", all(exact), tuple(res))
+            f"{sum(exact)}/{len(exact)} rows exact", all(exact), tuple(res),
+            because="a sharing pattern allocates caches for its owner layers only (tests/lib/depth/"
+                    "test_depth_sharing.py, tests/lab/depth/test_depth_decode.py)")
     return rows
 
 
@@ -481,6 +535,37 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
                   "(R-CLA: a random pattern per step). models/ref-attn ended its own training near 0.6.")
 
 
+def _by_cell(row: dict[str, Any], items: list[float] | None = None) -> dict[str, list[float]]:
+    """A row's per-item scores split into its (task, length) cells (every cell, solved or not)."""
+    cells, every = row.get("cells") or [], row.get("all_items") if items is None else items
+    if not cells or not every or len(every) % len(cells):
+        return {}
+    per = len(every) // len(cells)
+    return {c: [float(x) for x in every[i * per:(i + 1) * per]] for i, c in enumerate(cells)}
+
+
+def class_floor(res: dict[str, list[dict[str, Any]]], arts: dict[str, Artifact]) -> tuple[list[HeadlineRow], Table | None]:
+    """R-CLA at keep 0.5 (its headline pattern and its family's worst) per task class against its own keep 1, on
+    every class keep 1 scores >= :data:`kvstate.lab.report.floor.FLOOR_AT` on: the row and the per-class table."""
+    rc = res.get(RCLA) or []
+    r1, r5 = _at(rc, keep=1.0), _at(rc, keep=0.5)
+    if not r1 or not r5 or RCLA not in arts:
+        return [], None
+    ref = _by_cell(r1)
+    if not ref or not _by_cell(r5):
+        return [floor.floor_row(arts[RCLA], TECH, [], no_items=True)], None
+    scores = floor.class_scores(f"R-CLA keep 0.5 ({r5['pattern']})", _by_cell(r5), ref, "keep 1")
+    wp = r5.get("worst_pattern")
+    worst = (r5.get("family_patterns") or {}).get(wp) or {}
+    if wp and wp != r5["pattern"] and worst.get("all_items"):
+        scores += floor.class_scores(f"R-CLA keep 0.5 ({wp}, worst of family)", _by_cell(r5, worst["all_items"]), ref,
+                                     "keep 1")
+    pooled = {scores[0].group: f"{_f3(r5['score'])} {r5.get('score_ci') or ''}".strip()} if scores else {}
+    table = floor.floor_table(scores, "R-CLA per task class beside the pooled score: keep 0.5 against its keep 1 on "
+                                      f"every class keep 1 scores >= {floor.FLOOR_AT:g} on", pooled)
+    return [floor.floor_row(arts[RCLA], TECH, scores, seeds=None)], table
+
+
 def build(out_dir: Path, models_dir: Path) -> Section:
     arts = load_artifacts(models_dir)
     res = {name: _rows(a) for name, a in arts.items() if a.run is not None}
@@ -518,9 +603,19 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "niah_multikey at 1K and 2K (the tasks the full cache solves), test seeds, 95% intervals; paired "
              f"comparisons on the same items and texts. Read from the committed {EVAL_FILE} files.")
     pilot_fig, pilot_table = _pilots(models_dir.parent / "docs" / "results" / PILOTS_FILE, out_dir)
+    floor_rows, floor_table = class_floor(res, arts)
+    rows = headline(res, arts)
+    rc = res.get(RCLA) or []
+    r5, r1 = _at(rc, keep=0.5), _at(rc, keep=1.0)
+    if floor_rows and r5 and r1:  # the pooled keep-0.5 retrieval row names a collapsed class
+        note = floor.collapse_note(floor.class_scores("", _by_cell(r5), _by_cell(r1), "keep 1"))
+        if note:
+            rows = [replace(r, measured="{}{}{}{}".format(r.measured.partition(" [stale: ")[0], note,
+                                                           *r.measured.partition(" [stale: ")[1:]))
+                    if r.target.startswith("R-CLA keep 0.5 retrieval") else r for r in rows]
     return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER, intro=intro,
-                   tables=[table, *filter(None, [pilot_table])],
+                   tables=[table, *filter(None, [floor_table, pilot_table])],
                    figures=[_figure(res, out_dir), *filter(None, [pilot_fig, _pilot(models_dir, out_dir),
                                                                   _curves(models_dir, out_dir)])], summary={"results": res, "artifacts": {n: {"path": a.path, "status": a.status, "reason": a.reason,
                                                                        "provenance": a.provenance} for n, a in arts.items()}},
-                   headline=[*headline(res, arts), *decode_rows(models_dir)], notes=notes(models_dir))
+                   headline=[*rows, *floor_rows, *decode_rows(models_dir)], notes=notes(models_dir))

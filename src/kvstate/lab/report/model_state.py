@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvstate.lab.report import plots
-from kvstate.lab.report.html import Figure, Section, Table, run_row
+from kvstate.lab.report.html import Figure, Section, Table, check_row
 from kvstate.models import describe, qwen35_08b_config, segmented_prefill, tiny_config, tiny_model
 from kvstate.models.loading import load_config, load_model
 
@@ -90,9 +90,14 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         tables=[Table("Layer kinds and state bytes",
                       ["model", "layers", "dtype", "KV B/token", "checkpoint B", "checkpoint ≈ tokens of KV",
                        "matches a cache"], rows)],
-        headline=[run_row("model state (byte accounting)",
-                              "KV and checkpoint bytes from the config = bytes of a real cache",
-                              f"{exact} of {checked} models exact", checked > 0 and exact == checked)],
+        # the formulas count the tensors the cache allocates: a property of the code (tests/lib/models/
+        # test_accounting.py asserts it per family and dtype), a check, not a result
+        headline=[check_row("model state (byte accounting)",
+                            "KV and checkpoint bytes from the config = bytes of a real cache",
+                            checked > 0 and exact == checked,
+                            "the byte formulas count the tensors the cache allocates for each layer kind (a test of "
+                            "the code: tests/lib/models/test_accounting.py)",
+                            f"{exact} of {checked} models exact")],
         summary=summary,
     )
 

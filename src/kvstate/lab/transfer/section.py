@@ -26,7 +26,7 @@ bits) is a check, shown apart. A missing or stale file marks its rows so and nam
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from kvstate.lab import protocol, stats
 from kvstate.lab.provenance import Artifact, load_artifact
+from kvstate.lab.report import floor
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
 
 PAPER = "Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching"
@@ -201,6 +202,38 @@ def pooled(bench: dict[str, Any], lengths: tuple[int, ...] | None = None) -> dic
             scores = [float(r["score"]) for r in rows if isinstance(r.get("score"), (int, float))]
             p["score"], p["ci"], p["n"] = (sum(scores) / len(scores) if scores else float("nan")), None, 0
     return out
+
+
+def class_floor(bench: dict[str, Any], method: str, group: str) -> list[floor.ClassScore]:
+    """``method`` per (task, length) class against the reference, on every class the reference scores
+    >= :data:`kvstate.lab.report.floor.FLOOR_AT` on (solved or not): the classes pooling hides."""
+    by_cell = cells(bench)
+    ref = reference(bench)
+
+    def named(d: dict[tuple[str, int], list[float]]) -> dict[str, list[float]]:
+        return {f"{t}@{length}": v for (t, length), v in d.items()}
+
+    return floor.class_scores(group, named(by_cell.get(method) or {}), named(by_cell.get(ref) or {}), ref)
+
+
+def with_collapse(rows: list[HeadlineRow], what: str, scores: list[floor.ClassScore]) -> list[HeadlineRow]:
+    """The pooled rows whose target names ``what``, with the classes the method fell below the floor on named in
+    their measured text (a pooled score never hides a collapse)."""
+    note = floor.collapse_note(scores)
+    if not note:
+        return rows
+    out = []
+    for r in rows:
+        if what in r.target:
+            head, sep, tail = r.measured.partition(" [stale: ")
+            r = replace(r, measured=f"{head}{note}{sep}{tail}")
+        out.append(r)
+    return out
+
+
+def _worst(arts: list[Artifact]) -> Artifact:
+    """The file a row resting on several stands on: a stale or missing one if any."""
+    return next((a for a in arts if a.status != "current"), arts[0])
 
 
 def _about(p: dict[str, Any], bench: dict[str, Any]) -> dict[str, Any]:
@@ -640,6 +673,8 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
     loaded: list[tuple[Pair, dict[str, Any]]] = []
     timed: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
     intro, headline, notes_out, tables, summary = [], [], [], [], {}
+    floors: list[tuple[Artifact, dict[str, Any], str, list[floor.ClassScore]]] = []  # per pooled method: its classes
+    floor_summary: list[dict[str, Any]] = []
     for pair in pairs:
         root = models_dir / pair.codec
         if not root.is_dir():
@@ -650,8 +685,10 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
         options = load_artifact(root / BENCH_FILE, pair.options_command(), select=options_run)
         if options.run is not None:
             rows, table = recompute_targets(options.run, options, pair.label)
-            headline += rows
+            fl = class_floor(options.run, RECOMPUTE, f"[{pair.label}] selective recompute")
+            headline += with_collapse(rows, "selective recompute >= 0.94 x the oracle", fl)
             tables.append(table)
+            floors.append((options, options.run, RECOMPUTE, fl))
         tart = load_artifact(root / TTFT_FILE, pair.ttft_command())
         bench = art.run
         summary[pair.label] = {"bench": {"path": art.path, "status": art.status, "reason": art.reason},
@@ -670,7 +707,9 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
                          f"(`{art.command}`).")
             loaded.append((pair, bench))
             tables += bench_tables(bench, pair.label)
-            headline += targets(bench, art, pair.label)
+            fl = class_floor(bench, SCD, f"[{pair.label}] SCD")
+            headline += with_collapse(targets(bench, art, pair.label), "SCD score >= 95% of the oracle's", fl)
+            floors.append((art, bench, SCD, fl))
             notes_out += notes(bench, pair.label)
             summary[pair.label]["results"] = bench["results"]
         ttft = tart.run
@@ -701,6 +740,22 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
             else:
                 notes_out.append(f"{pair.label}: no TTFT-vs-quality front — the bench has no quality at the TTFT "
                                  f"length {length:,} (its lengths: {cfg['lengths']})")
+    if floors:  # one class-floor row for the section, over every pooled method of every pair
+        scores = [c for *_, fl in floors for c in fl]
+        no_items = not any(cells(b).get(reference(b)) and cells(b).get(method) for _, b, method, _ in floors)
+        headline.append(floor.floor_row(_worst([a for a, *_ in floors]), TECHNIQUE, scores, no_items=no_items))
+        pooled_text = {}
+        for _, bench_, method, fl in floors:
+            if fl:
+                p = pooled(bench_)[method]
+                pooled_text[fl[0].group] = f"{p['score']:.3f} {_ci(p['ci'])}".strip()
+        tables.append(floor.floor_table(scores, f"Per task class beside the pooled score: every class the oracle "
+                                                f"scores >= {floor.FLOOR_AT:g} on, against {floor.FLOOR:g}x the "
+                                                "oracle", pooled_text))
+        floor_summary = [{"group": c.group, "class": c.cls, "score": None if c.score is None else
+                                   c.score.value, "reference": c.ref_score, "ratio": c.ratio,
+                                   "diff_ci": None if c.diff is None else [c.diff.lo, c.diff.hi], "status": c.status}
+                                  for c in scores]
     if len(loaded) > 1:
         tables.insert(0, side_by_side(loaded))
     if loaded:
@@ -715,5 +770,5 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
                                      TECHNIQUE, "SCD targets", ""))
     sec.intro = " ".join(intro)
     sec.tables, sec.headline, sec.notes = tables, headline, notes_out
-    sec.summary = {"pairs": summary, "headline": [h.__dict__ for h in headline]}
+    sec.summary = {"pairs": summary, "headline": [h.__dict__ for h in headline], "class_floor": floor_summary}
     return sec
