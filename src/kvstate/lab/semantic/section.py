@@ -4,7 +4,7 @@ Reads the committed results of ``kvstate semantic eval`` (``models/ref-attn-sekv
 grid of budgets 4:1 / 8:1 / 16:1, lengths and needle tasks; ``eval_sweep.json``: held-out perplexity;
 ``models/ref-hybrid-sekv/eval.json``: the hybrid reference model's attention layer, with the window-only
 control) and renders accuracy against *attended* bytes and against *total* bytes (two plots, 95%
-intervals), the byte counts per method (resident, total, peak attended, full), the slow tier against its
+intervals), the real model's table first (:mod:`kvstate.lab.semantic.real_section`), the byte counts per method (resident, total, peak attended, full), the slow tier against its
 budget, the methods that could not run and why, and one headline row per target. Accuracies are pooled
 over the questions of the tasks the full cache solves at that length (:func:`kvstate.lab.protocol.solved_cells`),
 with Wilson intervals; SEKV is compared with the best of *all* other methods by a paired bootstrap over
@@ -27,7 +27,7 @@ from kvstate.lab import stats
 from kvstate.lab.protocol import solved_cells
 from kvstate.lab.provenance import load_artifact, read_runs
 from kvstate.lab.report.html import Figure, Section, Table, artifact_row, check_row
-from kvstate.lab.semantic import methods
+from kvstate.lab.semantic import methods, real_section
 
 PAPER = "SEKV: Resolution-Adaptive Semantic KV Cache with Hierarchical Semantic Memory"
 TECH = "resolution (SEKV)"
@@ -449,20 +449,22 @@ def _decode_target(models_dir: Path) -> list[Any]:
 
 def build(out_dir: Path, models_dir: Path) -> Section:
     title = "Resolution: SEKV, the resolution-adaptive semantic KV cache"
+    real_tables, real_figures, real_head = real_section.build(models_dir, out_dir)  # the real model leads
     art = load_artifact(models_dir / "ref-attn-sekv" / "eval.json", EVAL_COMMAND)
     rows = _new_rows(art.run)
     if not rows:  # the headline file is missing or predates byte counts: the other files still show
         why = "No results" if art.run is None else "No results with byte counts (resident / total / attended)"
         hybrid_tables, hybrid_head = _hybrid(models_dir)
         return Section("semantic", title, paper=PAPER, intro=f"{why} in {art.path}; run `{EVAL_COMMAND}`.",
-                       tables=_ppl(models_dir) + hybrid_tables,
-                       headline=[artifact_row(art, TECH, "SEKV benchmark at equal bytes", ""), *hybrid_head])
+                       tables=real_tables + _ppl(models_dir) + hybrid_tables, figures=real_figures,
+                       headline=[*real_head, artifact_row(art, TECH, "SEKV benchmark at equal bytes", ""),
+                                 *hybrid_head])
     run = art.run
     solved = _solved(run)
     length = HEAD_LENGTH if any(r["length"] == HEAD_LENGTH for r in rows) else max(r["length"] for r in rows)
     points = _points(run, rows, length, solved)
-    figures = _plots(points, length, out_dir)
-    tables = [_grid(run, rows, solved)]
+    figures = real_figures + _plots(points, length, out_dir)
+    tables = [*real_tables, _grid(run, rows, solved)]
     slow = run.get("slow_tier", [])
     if slow:
         lines = []
@@ -483,7 +485,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
     tables += _ppl(models_dir)
     hybrid_tables, hybrid_head = _hybrid(models_dir)
     tables += hybrid_tables
-    head = _headline(art, run, rows, solved) + _bounds_targets(models_dir) + _four_target(models_dir) \
+    head = real_head + _headline(art, run, rows, solved) + _bounds_targets(models_dir) + _four_target(models_dir) \
         + _memory_targets(models_dir) + _ppl_target(models_dir) + _decode_target(models_dir) + _route_target(models_dir) + hybrid_head
     intro = (f"Model {run['model']}, router {run.get('router')}. Protocol: the context is prefilled and compressed "
              "without the question, then each question is fed to a copy of the compressed cache and answered greedily "

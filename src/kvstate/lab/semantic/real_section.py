@@ -1,0 +1,126 @@
+"""Report part: SEKV and its equal-memory baselines on the real model (SmolLM2-135M-Instruct), every byte against a
+bf16 full cache — the resolution section's first table (SEKV: "a semantic multi-resolution KV cache", ``docs/
+techniques.md#resolution``; Quest: "Query-Aware Sparsity for Efficient Long-Context LLM Inference").
+
+Reads the committed ``models/smollm2/sekv_2048.json`` (:mod:`kvstate.lab.semantic.realmodel`; one run per task, each
+on its own test seed): per method and task the score with its interval and n, memory (every tier, mean and largest
+over the items) and reads per pass over a bf16 full cache, memory over the fp32 cache beside; a figure of score
+against bf16 memory per task; one headline row per decided target, and the class floor (no task the full cache
+scores >= 0.5 on below 0.9x it) as a row. A missing or stale file shows the command that writes it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvstate.lab.experiment import headline_fields
+from kvstate.lab.provenance import Artifact, read_runs
+from kvstate.lab.report import plots
+from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
+
+FILE = "smollm2/sekv_2048.json"
+COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel --set test --task TASK --n 100 --seed SEED "
+           "--out models/smollm2/sekv_2048.json")
+WHERE = "SEKV on the real model (2K, 8:1 reads)"
+FLOOR_AT, FLOOR = 0.5, 0.9
+
+
+def _artifacts(models_dir: Path) -> list[Artifact]:
+    """One artifact per task: the newest run of each (a file holds one run per task)."""
+    from kvstate.lab.provenance import load_artifact
+
+    path = models_dir / FILE
+    if not path.is_file():
+        return [load_artifact(path, COMMAND)]
+    tasks: list[str] = []
+    for r in read_runs(path):
+        for t in (r.get("experiment") or {}).get("tasks") or []:
+            if t not in tasks:
+                tasks.append(t)
+
+    def newest_of(task: str) -> Any:
+        return lambda r: task in ((r.get("experiment") or {}).get("tasks") or [])
+
+    return [load_artifact(path, COMMAND, select=newest_of(t)) for t in tasks] or [load_artifact(path, COMMAND)]
+
+
+def _summary_rows(art: Artifact) -> list[dict[str, Any]]:
+    return list((((art.run or {}).get("appendix") or {}).get("summary") or {}).get("rows") or [])
+
+
+def _figure(rows: list[dict[str, Any]], out_dir: Path) -> Figure | None:
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    if not tasks:
+        return None
+    fig, axes = plots.figure(0.9, 3.2, ncols=len(tasks))
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for r in (r for r in rows if r["task"] == task):
+            lo, hi = r["ci"]
+            ax.errorbar([r["memory_bf16"]], [r["score"]], yerr=[[r["score"] - lo], [hi - r["score"]]], fmt="o",
+                        capsize=3, color=plots.color(r["method"].split("@")[0]), label=r["method"])
+        ax.set_xscale("log")
+        ax.set_ylim(-0.02, 1.05)
+        ax.set_xlabel("memory / bf16 full cache (every tier)")
+        ax.set_title(task, fontsize=9)
+    axes[0][0].set_ylabel("score (95% interval)")
+    axes[0][-1].legend(fontsize=6, loc="center right")
+    name = plots.save(fig, out_dir, "smollm2_sekv_2048.png")
+    return Figure("SmolLM2 at 2,048 tokens, 8:1 reads: score against memory over a bf16 full cache", name,
+                  "Wilson 95% intervals, n = 100 per point; the full cache at 1.")
+
+
+def _floor(rows: list[dict[str, Any]], art: Artifact) -> HeadlineRow | None:
+    """No task the full cache scores >= 0.5 on falls below 0.9x it (each method on its own interval)."""
+    full = {r["task"]: r for r in rows if r["method"] == "full"}
+    classes = [t for t, r in full.items() if r["score"] >= FLOOR_AT]
+    if not classes:
+        return None
+    fell, open_ = [], []
+    for r in rows:
+        if r["method"] == "full" or r["task"] not in classes:
+            continue
+        bar = FLOOR * full[r["task"]]["score"]
+        if r["ci"][1] < bar:
+            fell.append(f"{r['method']} {r['task']} {r['score']:.2f} vs full {full[r['task']]['score']:.2f}")
+        elif r["ci"][0] < bar:
+            open_.append(r["method"])
+    status = "missed" if fell else "undecided" if open_ else "met"
+    measured = "; ".join(fell[:4]) + (f" and {len(fell) - 4} more" if len(fell) > 4 else "") if fell else \
+        f"no class below 0.9x ({len(classes)} classes)"
+    return artifact_row(art, WHERE, f"no task the full cache scores >= {FLOOR_AT} on below {FLOOR}x it (8:1 reads)",
+                        measured, status=status)
+
+
+def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
+    arts = _artifacts(models_dir)
+    present = [a for a in arts if a.run is not None]
+    if not present:
+        return [], [], [artifact_row(arts[0], WHERE, "SEKV >= 0.95x full and >= Quest-like-4-bit - 2 points at 8:1 "
+                                     "reads, memory <= 0.30x bf16", "")]
+    rows = [r for a in present for r in _summary_rows(a)]
+    table = Table("Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 8:1 reads: score and bytes over a bf16 full "
+                  "cache (fp32 beside)",
+                  ["method", "task", "score [95%] (n)", "memory bf16 mean (max)", "reads bf16", "memory fp32",
+                   "seed", "file"],
+                  [[r["method"], r["task"], f"{r['score']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] ({r['n']})",
+                    f"{r['memory_bf16']:.3f} ({r['memory_bf16_max']:.3f})", f"{r['reads_bf16']:.3f}",
+                    f"{r['memory_fp32']:.3f}", ", ".join(str(s) for s in (a.run or {}).get("experiment", {}).get("seeds", [])),
+                    a.status] for a in present for r in _summary_rows(a)],
+                  "memory: every tier held (codes as held, floats at 2 bytes); reads: what one pass reads, routing "
+                  "metadata included; one run per task on its own test seed")
+    head: list[HeadlineRow] = []
+    for a in present:
+        for d in (a.run or {}).get("decisions") or []:
+            if d.get("value") is None:
+                continue  # undecided for want of a solved task (shown through the class floor instead)
+            measured = f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
+            head.append(artifact_row(a, WHERE, d["label"], measured, **headline_fields(d)))
+    floor = _floor(rows, present[0])
+    if floor is not None:
+        head.append(floor)
+    figures = [f for f in [_figure(rows, out_dir)] if f is not None]
+    return [table], figures, head
+
+
+__all__ = ["build"]

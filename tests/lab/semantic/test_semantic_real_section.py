@@ -1,0 +1,65 @@
+"""The resolution section leads with the real model: the committed per-task runs read as one table over bf16
+bytes, decided targets become headline rows, and the class floor is missed when a method collapses on a task the
+full cache scores >= 0.5 on (met when none does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstate.lab import experiment as X
+from kvstate.lab import ledger as L
+from kvstate.lab.semantic import real_section
+
+
+@pytest.fixture
+def models(tmp_path, monkeypatch):
+    root = tmp_path / "models"
+    (root / "smollm2").mkdir(parents=True)
+    monkeypatch.setattr(L, "results_root", lambda: root)
+    return root
+
+
+def _row(method: str, task: str, score: float, mem: float) -> dict:
+    return {"method": method, "task": task, "n": 10, "score": score, "ci": [max(score - 0.1, 0.0), min(score + 0.1, 1.0)],
+            "memory_bf16": mem, "memory_bf16_max": mem + 0.001, "reads_bf16": 0.125 if method != "full" else 1.0,
+            "memory_fp32": mem * 0.8}
+
+
+def _commit(models: Path, task: str, seed: int, sekv: float) -> None:
+    e = X.Experiment(axis="resolution", name="sekv-real", methods=("full", "sekv@0.125"), seeds=(seed,), tasks=(task,),
+                     lengths=(2048,), n=10, code=("lab/scoring.py",),
+                     targets=(X.Target("SEKV - full >= -0.05", "sekv@0.125", "difference", -0.05, against="full"),))
+
+    def item(it: X.Item) -> X.ItemResult:
+        return X.ItemResult({"full": 1.0, "sekv@0.125": float(it.index < round(sekv * 10))})
+
+    rows = [_row("full", task, 1.0, 1.0), _row("sekv@0.125", task, sekv, 0.26)]
+    X.run_items(e, item, out=models / real_section.FILE, appendix=lambda _j: {"summary": {"rows": rows}})
+
+
+def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_path):
+    _commit(models, "real_niah_single", 1100, 0.2)
+    _commit(models, "real_niah_multikey", 1101, 1.0)
+    tables, figures, head = real_section.build(models, tmp_path)
+    rows = tables[0].rows
+    assert [r[:2] for r in rows] == [["full", "real_niah_single"], ["sekv@0.125", "real_niah_single"],
+                                     ["full", "real_niah_multikey"], ["sekv@0.125", "real_niah_multikey"]]
+    assert rows[1][3] == "0.260 (0.261)" and rows[1][6] == "1100" and rows[3][6] == "1101"
+    floor = next(h for h in head if h.target.startswith("no task the full cache"))
+    assert floor.status == "missed" and "sekv@0.125 real_niah_single 0.20 vs full 1.00" in floor.measured
+    decided = [h for h in head if h.target == "SEKV - full >= -0.05"]
+    by_task = {h.tasks[0]: h for h in decided}
+    assert by_task["real_niah_single@2048"].status == "missed" and by_task["real_niah_single@2048"].measured.startswith("-0.800")
+    assert by_task["real_niah_multikey@2048"].status != "missed"
+    assert len(figures) == 1 and (tmp_path / "smollm2_sekv_2048.png").is_file()
+
+
+def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
+    _, _, head = real_section.build(models, tmp_path)
+    assert len(head) == 1 and head[0].status == "missing" and "realmodel" in head[0].command
+    _commit(models, "real_niah_single", 1100, 1.0)
+    _, _, head = real_section.build(models, tmp_path)
+    floor = next(h for h in head if h.target.startswith("no task the full cache"))
+    assert floor.status == "met"
