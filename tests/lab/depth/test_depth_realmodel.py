@@ -158,3 +158,19 @@ def test_the_driver_scores_every_pattern_per_item_and_writes_the_table(tmp_path)
     s = saved["appendix"]["summary"]
     assert {r["method"] for r in s["rows"]} == set(e.methods) and s["closest_at_0.5"]["method"].endswith("@0.5")
     assert saved["provenance"]["seeds"] == [5] and "src/kvstate/lab/depth/realmodel.py" in saved["provenance"]["executed"]["files"]
+
+
+@needs_model
+@torch.inference_mode()
+def test_on_the_real_model_the_identity_pattern_is_the_model_and_one_shared_top_layer_is_not():
+    from kvstate.models.loading import load_model
+
+    model = load_model(MODEL, torch.float32)
+    layers = layer_specs(model.config)
+    ids = torch.randint(100, 20000, (1, 48), generator=torch.Generator().manual_seed(0))
+    base = model(ids).logits  # (1, T, V)
+    with apply_sharing(model, none(layers)):
+        same = model(ids).logits
+    with apply_sharing(model, SharingPattern((*range(29), 28))):  # layer 29 reads layer 28's K/V
+        top = model(ids).logits
+    assert (same - base).abs().max().item() <= TOL and (top - base).abs().max().item() > 1e-3
