@@ -139,6 +139,7 @@ def _written_out(method, model, tok, items, budget, seg):
     from kvstate.lab.semantic.bench import _answer, _outcome, score_prediction
     from kvstate.lab.semantic.methods.kivi import KiviCache
     from kvstate.lab.semantic.methods.quest import QuestCache
+    from kvstate.lab.semantic.methods.quest_quant import QuestQuant2Cache, QuestQuant4Cache
     from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
     from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL
@@ -153,8 +154,8 @@ def _written_out(method, model, tok, items, budget, seg):
                 cache = DynamicCache(config=model.config)
             else:
                 cfg = methods.get(method).config(budget, methods.Context(None, seg, 0.3, 0.6))
-                kind = {"quest": QuestCache, "streaming": WindowCache, "window": WindowCache,
-                        "kivi": KiviCache}.get(method, SemanticCache)
+                kind = {"quest": QuestCache, "quest4": QuestQuant4Cache, "quest2": QuestQuant2Cache,
+                        "streaming": WindowCache, "window": WindowCache, "kivi": KiviCache}.get(method, SemanticCache)
                 cache = kind(model, None, cfg)
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache).logits
             if method.startswith("sekv"):

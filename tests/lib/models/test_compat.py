@@ -75,20 +75,34 @@ def _resumed_and_one_shot(family: str, dtype: torch.dtype, total: int):  # type:
     return model, resumed_at, one_shot
 
 
-def test_the_gated_deltanet_chunk_length_is_the_one_the_forward_runs() -> None:
-    """fp32 prefill resumed at a multiple of the chunk length is bit-identical to one call (the same chunks run);
-    resumed half a chunk or one token off it, it is not (other chunks): together they pin the length the forward
-    runs with, whatever wraps the kernel (a chunk of 32 would make the half-chunk cut identical too; one of 128,
-    the one-chunk cut different)."""
+def test_the_gated_deltanet_chunk_length_is_the_one_the_forward_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk length ``chunk_size`` reports is the one the forward calls the chunked kernel with (its bound
+    argument at every call, the default included), and a prefill resumed on it matches one call. An earlier form
+    of this test asked for bit-identity at chunk-aligned cuts: that holds on some CPUs only (on others the
+    projections' matmul kernels differ with the sequence length, ~1e-7 apart), so it pinned the hardware, not the
+    chunk."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mod
+
+    real = mod.torch_chunk_gated_delta_rule
+    sig = inspect.signature(real)
+    seen: list[int] = []
+
+    def spy(*args: object, **kwargs: object) -> object:
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append(int(bound.arguments["chunk_size"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", spy)
     model, resumed_at, one_shot = _resumed_and_one_shot("qwen3_5", torch.float32, 2 * 64 + 40)
     c = chunk_size(model.config)
-    assert c == 64
+    assert c == 64 and len(seen) >= 1 and set(seen) == {c}
+    seen.clear()
     for cut in (c, 2 * c):
-        assert torch.equal(resumed_at(cut), one_shot[:, cut:])
-    for cut in (c // 2, c - 1, c + c // 2):
-        off = resumed_at(cut)
-        assert not torch.equal(off, one_shot[:, cut:])
-        torch.testing.assert_close(off, one_shot[:, cut:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(resumed_at(cut), one_shot[:, cut:], atol=1e-6, rtol=0)
+    assert len(seen) >= 2 and set(seen) == {c}
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
