@@ -11,14 +11,6 @@ from kvstate.lab import ledger as L
 from kvstate.lab import provenance as P
 
 
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / "m").mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
-
-
 def quality(seeds=(1000,), targets=(), n=40, **kw):
     return X.Experiment(axis="resolution", name="toy", methods=("full", "half", "coin"), seeds=tuple(seeds),
                         tasks=("easy", "hard"), lengths=(64,), n=n, targets=tuple(targets), code=("lab/stats.py",),

@@ -11,10 +11,7 @@ from kvstate.lab import experiment as X
 from kvstate.lab import ledger as L
 from kvstate.lab import provenance as P
 from kvstate.lab.journal import journal_path
-from tests.lab import test_experiment as method_major
 from tests.lab.test_experiment import oracle, quality
-
-models = method_major.models  # the ledger's fixture: results_root in a temporary directory
 
 
 def per_item(item: X.Item) -> X.ItemResult:

@@ -8,14 +8,6 @@ from kvstate.lab import ledger as L
 from kvstate.lab import provenance as P
 
 
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / "m").mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
-
-
 def prov(seeds, digest="d1", **extra):
     return {"commit": "c1", "date_utc": "2026-01-01 00:00:00", "seeds": seeds, "code": {"modules": ["axis"],
             "digest": digest}, "models": {"models/m": "w1"}, "settings": {"k": 1, "threads": 1}, **extra}

@@ -6,19 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from kvstate.lab import experiment as X
-from kvstate.lab import ledger as L
 from kvstate.lab.models import section
-
-
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / section.RESULTS).mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
 
 
 def reference(length: int, seed: int) -> X.Experiment:

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from kvstate.lab import experiment as X
-from kvstate.lab import ledger as L
 from kvstate.lab.models import peer_section, section, serve_peer
 from kvstate.lab.models.cli import REAL_MODEL, missing_hint
 
@@ -74,14 +73,6 @@ def test_the_prefix_and_prompts_have_their_token_counts_and_differ_per_index():
     assert abs(n - 300) <= 2 and len(prompts) == 3 and len(set(prompts)) == 3
     assert all(abs(len(tok(p, add_special_tokens=False)["input_ids"]) - 20) <= 2 for p in prompts)
     assert serve_peer.texts(tok, 5, 2, load, 1)[0] != prefix and serve_peer.texts(tok, 5, 1, load, 3)[0] == prefix
-
-
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / section.RESULTS).mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
 
 
 def test_the_report_shows_the_committed_comparison(models, tmp_path):

@@ -6,19 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from kvstate.lab import experiment as X
-from kvstate.lab import ledger as L
 from kvstate.lab.semantic import real_section
-
-
-@pytest.fixture
-def models(tmp_path, monkeypatch):
-    root = tmp_path / "models"
-    (root / "smollm2").mkdir(parents=True)
-    monkeypatch.setattr(L, "results_root", lambda: root)
-    return root
 
 
 def _row(method: str, task: str, score: float, mem: float) -> dict:
