@@ -40,6 +40,7 @@ from kvstate.lab import protocol, stats
 from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report import floor
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
+from kvstate.lab.transfer import real_section
 
 PAPER = "Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching"
 TECHNIQUE = "across models (SCD)"
@@ -768,7 +769,12 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
                      f"measure it with `{COMMAND}`.")
         headline.append(artifact_row(load_artifact(models_dir / CODEC / BENCH_FILE, COMMAND),
                                      TECHNIQUE, "SCD targets", ""))
+    real_tables, real_figures, real_head = real_section.build(models_dir, out_dir)  # the real pair leads
+    intro.insert(0, "**Real pair** (SmolLM2-135M-Instruct → its LoRA fine-tune answering in JSON, "
+                 "`models/smollm2-135m-ft-delta/README.md`): whether the producer's raw cache serves the consumer, and "
+                 "the drift of the two caches, first; the 4-layer reference pairs after it.")
     sec.intro = " ".join(intro)
-    sec.tables, sec.headline, sec.notes = tables, headline, notes_out
+    sec.tables, sec.headline, sec.notes = real_tables + tables, real_head + headline, notes_out
+    sec.figures[:0] = real_figures
     sec.summary = {"pairs": summary, "headline": [h.__dict__ for h in headline], "class_floor": floor_summary}
     return sec
