@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from kvstate.errors import InputFileError, KVStateError
+from kvstate.lab.cached_reply import prefill, reply_from
 from kvstate.lab.harness import load_reference
 from kvstate.lab.transfer import lora
 from kvstate.lab.transfer.realpair import FinetuneConfig, json_reply, lr_at, make_row
-from kvstate.lab.transfer.realpair_eval import drift, prefill, reply_from
+from kvstate.lab.transfer.realpair_eval import drift
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = REPO / "models/ref-attn"

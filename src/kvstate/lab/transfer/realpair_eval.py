@@ -24,7 +24,6 @@ premise (:data:`PREMISE`): raw reuse at most 0.8x the oracle on the tasks the or
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from kvstate.errors import KVStateError
+from kvstate.lab.cached_reply import prefill, reply_from
 
 EXPERIMENT = "realpair-premise"
 ORACLE, RAW, PRODUCER = "oracle", "raw", "producer"
@@ -55,7 +55,7 @@ def experiment(producer: Path, consumer: Path, tasks: Sequence[str], lengths: Se
         targets=(Target("raw reuse loses: raw - oracle <= -0.2 (raw <= 0.8x the oracle) on the solved tasks",
                         RAW, "difference", -0.2, higher_is_better=False, against=ORACLE),),
         code=("models", "lab/workloads/realtext.py", "lab/models/realtext_eval.py", "lab/scoring.py",
-              "lab/transfer/realpair_eval.py"),
+              "lab/transfer/realpair_eval.py", "lab/cached_reply.py"),
         models=(str(producer), str(consumer)),
         settings={"new_tokens": new_tokens, "source": rt.SOURCE, "threads": 1, "dtype": "float32"})
 
@@ -71,23 +71,6 @@ def drift(a: Any, b: Any) -> dict[str, list[float]]:
         for name, x, y in (("k", ka, kb), ("v", va, vb)):
             out[name].append(round(float(torch.nn.functional.cosine_similarity(x.float(), y.float(), dim=-1).mean()), 4))
     return out
-
-
-@torch.no_grad()
-def prefill(model: Any, ids: torch.Tensor) -> Any:
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    model(ids[:, :-1], cache=cache, use_cache=True)
-    return cache
-
-
-@torch.no_grad()
-def reply_from(model: Any, tok: Any, ids: torch.Tensor, cache: Any, new_tokens: int) -> str:
-    """Greedy reply of ``model`` to ``ids`` whose first ``len - 1`` tokens are in ``cache`` (a copy is used)."""
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=copy.deepcopy(cache),
-                         max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-    return str(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
 
 class Measure:
