@@ -45,12 +45,17 @@ REAL_MODEL := models/smollm2-135m-instruct/manifest.json
 $(REAL_MODEL): locks/model.txt | $(STAMP)
 	$(BIN)/kvstate models convert --overwrite
 
-setup: $(STAMP) $(REAL_MODEL)
+# the real cross-model pair's consumer: the converted base with the committed LoRA delta merged in (gitignored)
+REAL_CONSUMER := models/smollm2-135m-ft/manifest.json
+$(REAL_CONSUMER): $(REAL_MODEL) models/smollm2-135m-ft-delta/lora.safetensors
+	$(BIN)/python -m kvstate.lab.transfer.realpair build
 
-demo: $(STAMP) $(REAL_MODEL)
+setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
+
+demo: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
 	$(BIN)/kvstate report --out $(OUT)
 
-test: $(STAMP) $(KVPRESS) $(REAL_MODEL)
+test: $(STAMP) $(KVPRESS) $(REAL_MODEL) $(REAL_CONSUMER)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)

@@ -6,8 +6,8 @@ training starts at the base model). After training the update is *merged* (:func
 an ordinary model of the base's architecture whose weights differ, which is what a cross-model transfer needs
 (the consumer's own K/V and residual stream drift from the producer's). The factors are what a repository can
 carry (a few MB where the merged weights are hundreds): :func:`save_factors` writes them as safetensors (bf16 by
-default) and :func:`merge_into` rebuilds the consumer from the base in float64, so every machine gets the same
-fp32 weights from the same files.
+default) and :func:`merge_into` rebuilds the consumer from the base in float64, adding the rank-1 terms in a fixed
+order (elementwise arithmetic, no BLAS reduction), so every machine gets the same fp32 weights from the same files.
 """
 
 from __future__ import annotations
@@ -138,7 +138,10 @@ def merge_into(model: Any, tensors: Mapping[str, torch.Tensor], cfg: LoraConfig,
                 or b.shape != (lin.out_features, cfg.rank):
             raise InputFileError(f"{where}: factor {n!r} does not fit this model (is it the base the factors were "
                                  "trained on?); rebuild from the base model named in the factors' card")
-        w = lin.weight.double() + cfg.scale * (b.double() @ a.double())
+        w = lin.weight.double()
+        b64, a64 = b.double(), a.double()
+        for k in range(cfg.rank):  # outer products added in a fixed order: elementwise IEEE, no BLAS reduction
+            w += cfg.scale * (b64[:, k:k + 1] * a64[k:k + 1, :])
         lin.weight.copy_(w.to(lin.weight.dtype))
     return len(names)
 
