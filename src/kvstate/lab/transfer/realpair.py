@@ -227,6 +227,48 @@ def build(delta: Path = DELTA, base: Path = BASE, dest: Path = CONSUMER, overwri
     return changed
 
 
+CODEC = Path("models/codec-smollm2-135m-ft")
+CALIBRATION_SEED = 73  # a dev seed: the calibration items are never evaluation items
+
+
+def calibration_prompts(tok: Any, prefixes: int, length: int, seed: int = CALIBRATION_SEED) -> list[torch.Tensor]:
+    """``prefixes`` real-text needle items (the tasks in turn) of at most ``length`` tokens, each ending with the
+    consumer's JSON reply, so the scored suffix of a held-out prefix includes what retrieval produces."""
+    from kvstate.lab.workloads import realtext as rt
+
+    out = []
+    for i in range(prefixes):
+        item = rt.make_item(tok, rt.TASKS[i % len(rt.TASKS)], length - 32, seed, i)
+        reply = tok(json_reply(item.answers), add_special_tokens=False)["input_ids"]
+        out.append(torch.tensor([(list(item.prompt_ids) + [int(x) for x in reply])[:length]], dtype=torch.long))
+    return out
+
+
+def calibrate(producer: Path = BASE, consumer: Path = CONSUMER, out: Path = CODEC, prefixes: int = 24,
+              length: int = 512, overwrite: bool = False, say: Any = print) -> Any:
+    """The pair's SCD codec (REUSE maps, PATCH aligners; :func:`kvstate.transfer.calibrate.calibrate_on`) fitted on
+    real-text prefixes (:func:`calibration_prompts`)."""
+    from kvstate.io_safety import check_output_dir
+    from kvstate.models.loading import load_model, load_tokenizer
+    from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
+    from kvstate.transfer.codec import MANIFEST, WEIGHTS, is_codec_dir
+
+    check_output_dir(out, overwrite=overwrite, accept=is_codec_dir, kind=f"a codec directory ({WEIGHTS} + {MANIFEST})")
+    cfg = CalibrationConfig(prefixes=prefixes, length=length, seed=CALIBRATION_SEED)
+    p, tok = load_model(producer, torch.float32), load_tokenizer(producer)
+    c = load_model(consumer, torch.float32)
+    steps = [0]
+
+    def tick(s: str) -> None:
+        steps[0] += 1
+        if steps[0] % 5 == 0:
+            say(f"calibrate: {steps[0]} steps ({s})")
+
+    codec = calibrate_on(p, c, calibration_prompts(tok, prefixes, length), cfg, progress=tick)
+    codec.save(out)
+    return codec
+
+
 def card(delta: Path, premise: Path | None = None) -> str:
     """The consumer's card (``<delta>/README.md``): what it was trained on, how, its curve, and, from a premise
     result (:mod:`kvstate.lab.transfer.realpair_eval`), its scores beside the producer's and its per-layer drift."""
@@ -311,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--delta", type=Path, default=DELTA)
     b.add_argument("--base", type=Path, default=BASE)
     b.add_argument("--out", type=Path, default=CONSUMER)
+    c = sub.add_parser("calibrate")
+    c.add_argument("--out", type=Path, default=CODEC)
+    c.add_argument("--prefixes", type=int, default=24)
+    c.add_argument("--length", type=int, default=512)
+    c.add_argument("--overwrite", action="store_true")
     k = sub.add_parser("card")
     k.add_argument("--delta", type=Path, default=DELTA)
     k.add_argument("--premise", type=Path, default=None)
@@ -322,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
             train(cfg, args.out, args.base, say=lambda m: print(f"realpair: {m}", file=sys.stderr, flush=True))
         elif args.cmd == "export":
             export(args.run, args.out, args.overwrite)
+        elif args.cmd == "calibrate":
+            torch.set_num_threads(1)
+            codec = calibrate(out=args.out, prefixes=args.prefixes, length=args.length, overwrite=args.overwrite,
+                              say=lambda m: print(f"realpair: {m}", file=sys.stderr, flush=True))
+            print(f"realpair: codec {args.out}: patch layers {list(codec.config.patch_layers)}; next-token KL vs the "
+                  f"consumer {codec.info.get('kl_all_layers')}", file=sys.stderr)
         elif args.cmd == "card":
             from kvstate.io_safety import write_text_atomic
 
