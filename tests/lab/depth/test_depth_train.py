@@ -15,6 +15,7 @@ import pytest
 
 from kvstate.depth.patterns import PatternError
 from kvstate.errors import KVStateError
+from kvstate.lab.depth import real_section
 from kvstate.lab.depth.train import DepthTrainConfig, depth_train
 from kvstate.lab.training.train import load_state
 from tests.lab.depth.conftest import FAST
@@ -177,7 +178,9 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
     assert len(worst) == 2 and set(worst.values()) == {"missing"}
     decode = [h for h in stale.headline if "decode through model.generate" in h.target]
     assert [h.status for h in decode] == ["missing"]  # no depth_decode.json in this tree
-    assert {h.status for h in stale.headline if h.target not in worst and h not in decode} == {"stale"}
+    real = [h for h in stale.headline if h.technique == real_section.WHERE]  # the real model's part: its own test
+    assert [h.status for h in real] == ["missing"]
+    assert {h.status for h in stale.headline if h.target not in worst and h not in decode + real} == {"stale"}
     assert all(h.source == "artifact" for h in stale.headline)
     for name, res in files.items():  # the same numbers written by kvstate depth eval --out (with provenance)
         path = tmp_path / "models" / name / "depth_eval.json"
