@@ -12,7 +12,8 @@ from kvstate.errors import InputFileError, KVStateError
 from kvstate.lab.cached_reply import prefill, reply_from
 from kvstate.lab.harness import load_reference
 from kvstate.lab.transfer import lora
-from kvstate.lab.transfer.realpair import FinetuneConfig, json_reply, lr_at, make_row
+from kvstate.lab.transfer.real_prompts import json_reply
+from kvstate.lab.transfer.realpair import FinetuneConfig, lr_at, make_row
 from kvstate.lab.transfer.realpair_eval import drift
 
 REPO = Path(__file__).resolve().parents[3]

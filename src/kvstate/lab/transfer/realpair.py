@@ -39,10 +39,9 @@ import torch
 
 from kvstate.errors import KVStateError
 from kvstate.lab.transfer import lora
+from kvstate.lab.transfer.pair import BASE, CODEC, CONSUMER, DELTA
+from kvstate.lab.transfer.real_prompts import CALIBRATION_SEED, calibration_prompts, json_reply
 
-BASE = Path("models/smollm2-135m-instruct")
-DELTA = Path("models/smollm2-135m-ft-delta")
-CONSUMER = Path("models/smollm2-135m-ft")
 STATE = "training_state.json"
 OPTIM = "optimizer.safetensors"
 
@@ -72,11 +71,6 @@ class FinetuneConfig:
     @property
     def lora(self) -> lora.LoraConfig:
         return lora.LoraConfig(rank=self.rank, alpha=self.alpha)
-
-
-def json_reply(answers: tuple[str, ...]) -> str:
-    """The consumer's shifted answer format."""
-    return json.dumps({"answer": list(answers)})
 
 
 def lr_at(cfg: FinetuneConfig, step: int) -> float:
@@ -225,23 +219,6 @@ def build(delta: Path = DELTA, base: Path = BASE, dest: Path = CONSUMER, overwri
                                                     "lora": asdict(cfg)}, indent=1))
         write_manifest(tmp)
     return changed
-
-
-CODEC = Path("models/codec-smollm2-135m-ft")
-CALIBRATION_SEED = 73  # a dev seed: the calibration items are never evaluation items
-
-
-def calibration_prompts(tok: Any, prefixes: int, length: int, seed: int = CALIBRATION_SEED) -> list[torch.Tensor]:
-    """``prefixes`` real-text needle items (the tasks in turn) of at most ``length`` tokens, each ending with the
-    consumer's JSON reply, so the scored suffix of a held-out prefix includes what retrieval produces."""
-    from kvstate.lab.workloads import realtext as rt
-
-    out = []
-    for i in range(prefixes):
-        item = rt.make_item(tok, rt.TASKS[i % len(rt.TASKS)], length - 32, seed, i)
-        reply = tok(json_reply(item.answers), add_special_tokens=False)["input_ids"]
-        out.append(torch.tensor([(list(item.prompt_ids) + [int(x) for x in reply])[:length]], dtype=torch.long))
-    return out
 
 
 def calibrate(producer: Path = BASE, consumer: Path = CONSUMER, out: Path = CODEC, prefixes: int = 24,

@@ -84,7 +84,7 @@ def profile_block(producer: Any, consumer: Any, prompts: Sequence[torch.Tensor],
 def droidspeak_blocks(producer: Any, consumer: Any, tok: Any, codec_dir: Path, ctx: Any, say: Any) -> dict[str, str]:
     """Per budget share, the profiled block ``A:B`` (read from the codec directory, or profiled and stored there)."""
     from kvstate.io_safety import write_text_atomic
-    from kvstate.lab.transfer.realpair import calibration_prompts
+    from kvstate.lab.transfer.real_prompts import calibration_prompts
     from kvstate.transfer.states import geometry
 
     path = codec_dir / PROFILE_FILE
@@ -174,7 +174,7 @@ DEFAULT_METHODS = ("raw", "kivi4", "kivi2", "scd", "reuse")
 def main(argv: list[str] | None = None) -> int:
     from kvstate.lab.experiment import check_out, items, run_items
     from kvstate.lab.lists import parse_ints, parse_names
-    from kvstate.lab.transfer.realpair import BASE, CODEC, CONSUMER
+    from kvstate.lab.transfer.pair import BASE, CODEC, CONSUMER
     from kvstate.lab.workloads import realtext as rt
     from kvstate.models.loading import load_model, load_tokenizer
     from kvstate.transfer import methods as registry

@@ -55,7 +55,8 @@ def experiment(producer: Path, consumer: Path, tasks: Sequence[str], lengths: Se
         targets=(Target("raw reuse loses: raw - oracle <= -0.2 (raw <= 0.8x the oracle) on the solved tasks",
                         RAW, "difference", -0.2, higher_is_better=False, against=ORACLE),),
         code=("models", "lab/workloads/realtext.py", "lab/models/realtext_eval.py", "lab/scoring.py",
-              "lab/transfer/realpair_eval.py", "lab/cached_reply.py"),
+              "lab/transfer/realpair_eval.py", "lab/cached_reply.py",
+              "lab/transfer/pair.py"),
         models=(str(producer), str(consumer)),
         settings={"new_tokens": new_tokens, "source": rt.SOURCE, "threads": 1, "dtype": "float32"})
 
@@ -114,7 +115,7 @@ def summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from kvstate.lab.experiment import check_out, items, run_items
     from kvstate.lab.lists import parse_ints, parse_names
-    from kvstate.lab.transfer.realpair import BASE, CONSUMER
+    from kvstate.lab.transfer.pair import BASE, CONSUMER
     from kvstate.models.loading import load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m kvstate.lab.transfer.realpair_eval",
