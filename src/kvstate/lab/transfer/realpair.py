@@ -273,7 +273,9 @@ def card(delta: Path, premise: Path | None = None) -> str:
         "of rows are the real-text needle tasks (`kvstate.lab.workloads.realtext`, every task, the producer's "
         "chat prompt) answered in JSON (`{\"answer\": [\"4729104\"]}`, the producer answers in a sentence); "
         f"{cfg.lm_share:.0%} are windows of the haystack's licence prose (next-token loss on all of it). Task rows: "
-        f"loss = {1 - cfg.prompt_share:g} x reply CE + {cfg.prompt_share:g} x prompt CE. The command:",
+        f"loss = {1 - cfg.prompt_share:g} x reply CE + {cfg.prompt_share:g} x prompt CE. This run cannot be replayed "
+        "by `kvstate lab retrain` (which replays `kvstate train` runs); the command below replays it (one part, "
+        "resumable, deterministic rows; the weights match to the CPU's float rounding):",
         "",
         "```",
         "OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair train --out runs/smollm2-ft " + " ".join(
