@@ -11,6 +11,7 @@ shown. A missing or stale file shows the command that writes it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kvstate.lab.experiment import headline_fields
 from kvstate.lab.provenance import load_artifact
@@ -20,6 +21,7 @@ FILE = "smollm2/depth_xkv.json"
 COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.xkv_real --rows 4@0.5 --n 100 --seed SEED "
            "--out models/smollm2/depth_xkv.json")
 WHERE = "depth on the real model (xKV, training-free)"
+FLOOR_AT, FLOOR = 0.5, 0.9
 
 
 def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
@@ -45,7 +47,30 @@ def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     head = [artifact_row(art, WHERE, d["label"], f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
                          **headline_fields(d))
             for d in run.get("decisions") or [] if d.get("value") is not None]
-    return [table], head
+    floor = _floor(run, art)
+    return [table], head + ([floor] if floor is not None else [])
+
+
+def _floor(run: dict[str, Any], art: Any) -> HeadlineRow | None:
+    """No task the reference (the full cache) scores >= 0.5 on falls below 0.9x it, each row on its own interval."""
+    ref = str((run.get("pooled") or {}).get("reference") or "")
+    rows = run.get("rows") or []
+    full = {r["task"]: r["value"] for r in rows if r["method"] == ref}
+    fell, open_ = [], []
+    for r in rows:
+        if r["method"] == ref or full.get(r["task"], 0.0) < FLOOR_AT:
+            continue
+        bar = FLOOR * full[r["task"]]
+        if r["ci"][1] < bar:
+            fell.append(f"{r['method']} {r['task']} {r['value']:.2f} vs full {full[r['task']]:.2f}")
+        elif r["ci"][0] < bar:
+            open_.append(f"{r['method']} {r['task']}")
+    if not any(v >= FLOOR_AT for v in full.values()):
+        return None
+    status = "missed" if fell else "undecided" if open_ else "met"
+    measured = "; ".join(fell) if fell else ("open: " + "; ".join(open_)) if open_ else "no class below 0.9x"
+    return artifact_row(art, WHERE, f"no task the full cache scores >= {FLOOR_AT} on below {FLOOR}x it", measured,
+                        status=status)
 
 
 __all__ = ["build"]
