@@ -51,7 +51,7 @@ class FinetuneConfig:
     steps: int = 150
     rows: int = 2  # rows per step (gradient accumulation, batch 1 each: no padding)
     length: int = 512  # tokens per row at most
-    lr: float = 2e-3
+    lr: float = 3e-3  # the pilot's choice (1e-3 left raw reuse serving the consumer)
     warmup: int = 10
     final_lr_share: float = 0.1  # cosine decay to this share of lr
     prompt_share: float = 0.3  # loss = (1 - s) * reply CE + s * prompt CE on task rows
@@ -278,8 +278,8 @@ def card(delta: Path, premise: Path | None = None) -> str:
         "resumable, deterministic rows; the weights match to the CPU's float rounding):",
         "",
         "```",
-        "OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair train --out runs/smollm2-ft " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in state["config"].items()
+        "OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair train --out runs/smollm2-ft" + "".join(
+            f" --{k.replace('_', '-')} {v}" for k, v in state["config"].items()
             if v != FinetuneConfig.__dataclass_fields__[k].default),
         f"python -m kvstate.lab.transfer.realpair export --run runs/smollm2-ft --out {DELTA}",
         "```",
