@@ -56,6 +56,20 @@ def test_listed_methods_are_ledgered_one_by_one(models):
         P.append_run(out, {"v": 3}, prov([1000], digest="d2") | {"settings": {"methods": ["sekv"]}})
 
 
+def test_a_renamed_method_cannot_reopen_a_seed_its_file_already_scored(models):
+    out = models / "m" / "eval.json"
+    P.append_run(out, {"v": 1}, prov([1000]) | {"settings": {"methods": ["sekv"]}})
+    before = out.read_text()
+    with pytest.raises(L.SeedRefused) as e:  # the method renamed (and changed): the file's seed 1000 stays spent
+        P.append_run(out, {"v": 2}, prov([1000], digest="d2") | {"settings": {"methods": ["sekv@0.125"]}})
+    msg = str(e.value)
+    assert "\n" not in msg and "already scored for this file (as axis:sekv" in msg and "--seed 1001" in msg
+    assert out.read_text() == before and list(L.read_ledger(models / L.LEDGER_NAME)) == ["axis:sekv"]
+    P.append_run(out, {"v": 2}, prov([1000]) | {"settings": {"methods": ["sekv@0.125"]}})  # a pure rename: same run
+    P.append_run(models / "m" / "other.json", {"v": 3}, prov([1000], digest="d2") | {"settings": {"methods": ["x"]}})
+    P.append_run(out, {"v": 4}, prov([1001], digest="d2") | {"settings": {"methods": ["sekv@0.125"]}})  # the fix
+
+
 def test_a_result_outside_models_is_not_checked(models, tmp_path):
     P.append_run(tmp_path / "scratch.json", {"v": 1}, prov([0]))
     assert not (models / L.LEDGER_NAME).exists()
