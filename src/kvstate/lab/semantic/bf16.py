@@ -14,7 +14,8 @@ Reads (``attended_bytes_peak``): every store here except KIVI's materialises flo
 summaries, reconstructed spans, fetched or dequantized pages), so its bf16 reads are its reads x
 ``dtype``'s element size / the cache's; :func:`counts` adds the routing metadata each pass reads beside them
 (span bounds, page min / max, routing summaries), which the bench's reads leave out. KIVI reads what it holds
-(codes and ranges: its attended = resident). A question's reads are the peak over its passes.
+(codes and ranges: its attended = resident). A store that reads codes beside floating tensors (``sekv_pages*``)
+counts its own reads per pass through ``pass_reads(element_size)``. A question's reads are the peak over its passes.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def counts(cache: Any, dtype: torch.dtype = torch.bfloat16) -> ByteCounts:
         resident, total, full = resident + r, total + r + cast.slow_nbytes(), full + cast.full_nbytes()
         if _reads_all(st):
             mine = [cast.fast_nbytes()] * len(st.reads)  # the peak (last) pass reads all it holds
+        elif hasattr(st, "pass_reads"):  # a store that reads codes: it counts its floating and code bytes itself
+            mine = st.pass_reads(torch.empty(0, dtype=dtype).element_size())
         else:
             scale = torch.empty(0, dtype=dtype).element_size() / st.anchor_k.element_size()
             meta = routing_nbytes(cast)

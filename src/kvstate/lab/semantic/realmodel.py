@@ -66,9 +66,18 @@ RUNS = {r.label: r for r in (
     Run("kivi@0.25", "kivi", 0.25),  # the most bits within 0.25 x fp32: 4-bit
     Run("kivi@0.125", "kivi", READS),  # 2-bit (its reads are what it holds: 8:1 of fp32)
     Run("streaming@0.125", "streaming", READS),
+    # the routing probe's design (kvstate.lab.semantic.real_routing): pages read as 4-bit codes, ranked by mean key
+    Run("sekv_pages16@0.125", "sekv_pages16", READS),
+    Run("sekv_pages32@0.125", "sekv_pages32", READS),
+    Run("sekv_pages64@0.125", "sekv_pages64", READS),
+    Run("sekv_pages32_all@0.125", "sekv_pages32", READS, route_query=ALL),
+    Run("sekv_pages32_v2@0.125", "sekv_pages32_v2", READS),
 )}
 SETS = {
     "pilot": tuple(RUNS),
+    # the second pilot (dev seeds 486 / 487): the routing probe's design against its equal-memory twin
+    "pages": ("full", "quest4_all@0.125", "sekv_pages16@0.125", "sekv_pages32@0.125", "sekv_pages64@0.125",
+              "sekv_pages32_all@0.125", "sekv_pages32_v2@0.125", "kivi@0.25"),
     # chosen on the pilot (docs/results/smollm2_sekv_pilot_2048.json, dev seed 480): SEKV's one configuration within
     # 0.30 x bf16 memory, its equal-memory twins (Quest-like with 4-bit and 2-bit pages, ranked by the same queries)
     # and the library default (4-bit, 0.42 x bf16) for its bytes
@@ -77,7 +86,8 @@ SETS = {
 PROPOSED = "sekv_b2m_all@0.125"  # SEKV's configuration within 0.30 x bf16 memory (the pilot's choice)
 TWIN = "quest4_all@0.125"  # Quest-like with 4-bit pages, the issue's equal-memory twin
 PAIRS = ((PROPOSED, "full"), (PROPOSED, TWIN), (PROPOSED, "quest2_all@0.125"), ("sekv@0.125", "full"),
-         ("sekv@0.125", "quest4@0.125"), ("sekv_all@0.125", "quest4_all@0.125"))
+         ("sekv@0.125", "quest4@0.125"), ("sekv_all@0.125", "quest4_all@0.125"),
+         ("sekv_pages32@0.125", "full"), ("sekv_pages32@0.125", TWIN), ("sekv_pages64@0.125", "full"))
 MEMORY_BF16 = 0.30  # the issue's memory cap, every tier / bf16 full cache
 # issue 48's 8:1 targets, committed before the test run that decides them; pooled over the tasks the full cache
 # solves on the run (>= 0.9). ">= 0.95 x full" is a paired difference >= -0.05 x 0.99, the full cache's
