@@ -14,9 +14,6 @@ seed was scored needs a fresh test seed for its headline. Memory cannot enforce 
 - refuses a run that names no seed or a dev seed (``< 1000``, :func:`kvstate.lab.protocol.check_reported_seed`);
 - refuses a test seed the ledger already holds for one of the run's methods, unless some entry for that
   seed has the run's *method digest*: the same method re-scored unchanged (a rerun, more items) is allowed;
-- refuses a test seed already scored *for the result file* by a run of another digest, whatever its methods
-  are called — a headline takes a seed never scored for its file, so renaming a method (``sekv`` →
-  ``sekv@0.125``) or adding one to a run does not reopen a seed the file's earlier runs used;
 - otherwise appends one entry per (method, seed) and writes the ledger atomically, before the result.
 
 **A method** is ``AXIS:NAME`` for each name the run lists (``provenance["methods"]`` or
@@ -29,8 +26,7 @@ method, a new hyperparameter or a different task list is a different method; a f
 Each refusal is one line naming the ledger entry and a fresh seed (the first test seed no entry of the
 run's methods uses). :func:`ledger_from_results` rebuilds the ledger from the committed result files.
 Ignored: concurrent writers (two runs appending at once may lose one ledger entry), a result written to a
-file outside ``models/`` (not a result the report reads), and a renamed method written to a *new* file (its
-seeds are checked against that file and the new name only).
+file outside ``models/`` (not a result the report reads), and renaming a method to escape its entries.
 """
 
 from __future__ import annotations
@@ -131,11 +127,9 @@ def method_names(path: Path, provenance: Mapping[str, Any], root: Path) -> list[
     return [rel.with_suffix("").as_posix()]
 
 
-def fresh_seed(ledger: Mapping[str, Sequence[Entry]], methods: Iterable[str], file: str | None = None) -> int:
-    """The first test seed no entry of ``methods`` uses (nor any entry for the result ``file``)."""
+def fresh_seed(ledger: Mapping[str, Sequence[Entry]], methods: Iterable[str]) -> int:
+    """The first test seed no entry of ``methods`` uses."""
     used = {e.seed for m in methods for e in ledger.get(m, ())}
-    if file is not None:
-        used |= {e.seed for es in ledger.values() for e in es if e.file == file}
     seed = protocol.TEST_SEED_MIN
     while seed in used:
         seed += 1
@@ -154,7 +148,7 @@ def check_run(path: Path, provenance: Mapping[str, Any], ledger: Mapping[str, Se
     """Refuse (:class:`SeedRefused`) or return the (method, seed) pairs the run adds to the ledger."""
     rel = _relative(path)
     methods = method_names(path, provenance, root)
-    fresh = fresh_seed(ledger, methods, rel)
+    fresh = fresh_seed(ledger, methods)
     seeds = _seeds(provenance)
     if not seeds:
         raise SeedRefused(f"{rel}: the run names no seed; a result under models/ takes a test seed: pick a fresh "
@@ -174,14 +168,6 @@ def check_run(path: Path, provenance: Mapping[str, Any], ledger: Mapping[str, Se
                     f"{rel}: test seed {seed} is already in {_relative(ledger_path)} for {method} ({e.file}, commit "
                     f"{e.commit}, {e.date}, digest {e.digest}) and this run's method differs (digest {digest}: its "
                     f"code, models, tasks or settings changed); pick a fresh test seed, e.g. --seed {fresh}")
-    for seed in seeds:  # the file's own history, whatever its methods were called
-        here = [(m, e) for m, es in ledger.items() for e in es if e.file == rel and e.seed == seed]
-        if here and not any(e.digest == digest for _, e in here):
-            m, e = here[-1]
-            raise SeedRefused(
-                f"{rel}: test seed {seed} was already scored for this file (as {m}, commit {e.commit}, {e.date}, "
-                f"digest {e.digest}) by a run that differs from this one (digest {digest}: renamed or added methods, "
-                f"changed code, models, tasks or settings); pick a fresh test seed, e.g. --seed {fresh}")
     return [(m, s) for m in methods for s in seeds]
 
 
