@@ -25,7 +25,9 @@ def _commit(models: Path, task: str, seed: int, sekv: float) -> None:
         return X.ItemResult({"full": 1.0, "sekv@0.125": float(it.index < round(sekv * 10))})
 
     rows = [_row("full", task, 1.0, 1.0), _row("sekv@0.125", task, sekv, 0.26)]
-    X.run_items(e, item, out=models / real_section.FILE, appendix=lambda _j: {"summary": {"rows": rows}})
+    checks = [{"method": "sekv@0.125", "memory_bf16_max": 0.261 if sekv < 0.5 else 0.31}]
+    X.run_items(e, item, out=models / real_section.FILE,
+                appendix=lambda _j: {"summary": {"rows": rows, "memory_checks": checks}})
 
 
 def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_path):
@@ -43,6 +45,8 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
     assert by_task["real_niah_single@2048"].status == "missed" and by_task["real_niah_single@2048"].measured.startswith("-0.800")
     assert by_task["real_niah_multikey@2048"].status != "missed"
     assert len(figures) == 1 and (tmp_path / "smollm2_sekv_2048.png").is_file()
+    caps = {h.tasks[0] if h.tasks else "": h for h in head if "memory <= 0.3 x bf16" in h.target}
+    assert [(h.status, h.measured) for h in caps.values()] == [("met", "0.261 x"), ("missed", "0.310 x")]
 
 
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):

@@ -24,6 +24,7 @@ COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel --set tes
            "--out models/smollm2/sekv_2048.json")
 WHERE = "SEKV on the real model (2K, 8:1 reads)"
 FLOOR_AT, FLOOR = 0.5, 0.9
+MEMORY_CAP = 0.30  # issue 48's memory cap at 8:1 reads, every tier over a bf16 full cache
 PROBE = "smollm2_routing_probe_{task}.json"  # docs/results/: the dev-seed routing probe (lab/semantic/real_routing.py)
 PROBE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.real_routing --task real_niah_{task} --n 40 "
                  "--seed {seed} --out docs/results/smollm2_routing_probe_{task}.json")
@@ -164,6 +165,15 @@ def _build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], 
                 continue  # undecided for want of a solved task (shown through the class floor instead)
             measured = f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
             head.append(artifact_row(a, WHERE, d["label"], measured, **headline_fields(d)))
+        proposed = next((d["method"] for d in (a.run or {}).get("decisions") or []), None)
+        checks = (((a.run or {}).get("appendix") or {}).get("summary") or {}).get("memory_checks") or []
+        check = next((c for c in checks if c["method"] == proposed), None)
+        if check is not None and check.get("memory_bf16_max") is not None:
+            worst = check["memory_bf16_max"]
+            head.append(artifact_row(a, WHERE, f"{proposed}: memory <= {MEMORY_CAP} x bf16 (every tier, the largest over "
+                                     "the items)", f"{worst:.3f} x", status="met" if worst <= MEMORY_CAP else "missed",
+                                     because="bytes counted from the tensors held; a property of the configuration "
+                                     "at this length, not a rate"))
     floor = _floor(rows, present[0])
     if floor is not None:
         head.append(floor)
