@@ -140,6 +140,8 @@ def _written_out(method, model, tok, items, budget, seg):
     from kvstate.lab.semantic.methods.kivi import KiviCache
     from kvstate.lab.semantic.methods.quest import QuestCache
     from kvstate.lab.semantic.methods.quest_quant import QuestQuant2Cache, QuestQuant4Cache
+    from kvstate.lab.semantic.methods.sekv_pages import CodePage16Cache, CodePage32Cache, CodePage32V2Cache, \
+        CodePage64Cache
     from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
     from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL
@@ -155,10 +157,12 @@ def _written_out(method, model, tok, items, budget, seg):
             else:
                 cfg = methods.get(method).config(budget, methods.Context(None, seg, 0.3, 0.6))
                 kind = {"quest": QuestCache, "quest4": QuestQuant4Cache, "quest2": QuestQuant2Cache,
-                        "streaming": WindowCache, "window": WindowCache, "kivi": KiviCache}.get(method, SemanticCache)
+                        "streaming": WindowCache, "window": WindowCache, "kivi": KiviCache,
+                        "sekv_pages16": CodePage16Cache, "sekv_pages32": CodePage32Cache,
+                        "sekv_pages64": CodePage64Cache, "sekv_pages32_v2": CodePage32V2Cache}.get(method, SemanticCache)
                 cache = kind(model, None, cfg)
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache).logits
-            if method.startswith("sekv"):
+            if method.startswith("sekv") and not method.startswith("sekv_pages"):
                 cache.compress(surprisal(logits, ctx))
             elif method == "sentencekv":
                 sg = sentence_segmentation(tok, it.context, cfg.segment)
