@@ -25,3 +25,15 @@ def test_rounds_median_and_ratio_per_round():
 def test_fewer_than_five_repeats_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="needs >= 5 interleaved repeats"):
         main(["--repeats", "3", "--out", str(tmp_path / "t.json")])
+
+
+def test_without_a_router_key_routed_methods_are_timed_and_the_task_is_recorded(model_dir, tmp_path):
+    import json
+
+    d, _, _ = model_dir
+    out = tmp_path / "t.json"
+    main(["--model", str(d), "--router", "none", "--task", "niah_single", "--length", "160", "--budget", "0.7",
+          "--methods", "full,sekv_pages16", "--n", "1", "--recent", "8", "--max-span", "8", "--out", str(out)])
+    run = json.loads(out.read_text())["runs"][-1]
+    assert set(run["timing"]) == {"full", "sekv_pages16"} and run["provenance"]["tasks"] == ["niah_single"]
+    assert list(run["provenance"]["models"]) == [str(d)] or len(run["provenance"]["models"]) == 1

@@ -82,7 +82,9 @@ def time_methods(model: Any, tokenizer: Any, items: list[Any], names: list[str],
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--model", default="models/ref-attn")
-    ap.add_argument("--router", default="models/ref-attn-sekv")
+    ap.add_argument("--router", default="models/ref-attn-sekv", help="a router directory, or none (methods that "
+                    "route by keys, e.g. on the real model)")
+    ap.add_argument("--task", default="niah_single", help="the items' task (real_niah_single on the real model)")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--methods", default="full,sekv")
@@ -103,15 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     code = ("semantic", "models", "lab/semantic/timing.py", "lab/semantic/bench.py", "lab/semantic/protocol.py",
             "lab/semantic/methods", "lab/harness.py", "lab/decode.py")  # what it runs (not the report's section)
-    rec = Recorder(code=code, models=[a.model, a.router], n=a.n, seeds=[a.seed],
-                   tasks=["niah_single"], lengths=[a.length],
+    no_router = a.router.lower() == "none"
+    rec = Recorder(code=code, models=[a.model] if no_router else [a.model, a.router], n=a.n, seeds=[a.seed],
+                   tasks=[a.task], lengths=[a.length],
                    settings={"budget": a.budget, "methods": names, "repeats": a.repeats, "recent": a.recent,
                              "max_span": a.max_span, "memory": a.memory, "slow": a.slow, "bits": a.bits,
                              "expand_share": a.expand_share,
                              "timing": True})
     model, tok = load_reference(a.model)
-    router = SemanticRouter.load(a.router, model)
-    items = build_items(tok, "niah_single", a.length, a.n, a.seed)
+    router = None if no_router else SemanticRouter.load(a.router, model)
+    items = build_items(tok, a.task, a.length, a.n, a.seed)
     res = time_methods(model, tok, items, names, a.budget, router, SegmentConfig(recent=a.recent, max_span=a.max_span),
                        a.repeats, methods.SekvOptions(memory=a.memory, slow=a.slow, bits=a.bits), a.expand_share)
     for m, row in res.items():
