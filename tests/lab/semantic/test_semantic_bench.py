@@ -140,8 +140,12 @@ def _written_out(method, model, tok, items, budget, seg):
     from kvstate.lab.semantic.methods.kivi import KiviCache
     from kvstate.lab.semantic.methods.quest import QuestCache
     from kvstate.lab.semantic.methods.quest_quant import QuestQuant2Cache, QuestQuant4Cache
-    from kvstate.lab.semantic.methods.sekv_pages import CodePage16Cache, CodePage32Cache, CodePage32V2Cache, \
-        CodePage64Cache
+    from kvstate.lab.semantic.methods.sekv_pages import (
+        CodePage16Cache,
+        CodePage32Cache,
+        CodePage32V2Cache,
+        CodePage64Cache,
+    )
     from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
     from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL

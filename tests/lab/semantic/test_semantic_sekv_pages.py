@@ -53,7 +53,8 @@ def test_pages_are_ranked_by_mean_key_and_reads_stay_within_the_bf16_budget():
     anchor = torch.zeros(1, 1, 1, d)
     pages = keys.view(1, 4, page, d)
     store = S.code_pages(PageStore(anchor, anchor.clone(), pages.amin(2), pages.amax(2), keys, keys * 10, page, 1.0), 4)
-    one = sum(store._page_cost(0)[0] * S.FLOAT_BYTES + store._page_cost(0)[1] for _ in range(1))
+    floats, codes = store._page_cost(0)
+    one = floats * S.FLOAT_BYTES + codes
     full = 9 * 2 * d * S.FLOAT_BYTES
     store.budget = (store._fixed_elements() * S.FLOAT_BYTES + one) / full  # room for exactly one page
     q = torch.zeros(1, 1, 1, d)

@@ -36,4 +36,4 @@ def test_without_a_router_key_routed_methods_are_timed_and_the_task_is_recorded(
           "--methods", "full,sekv_pages16", "--n", "1", "--recent", "8", "--max-span", "8", "--out", str(out)])
     run = json.loads(out.read_text())["runs"][-1]
     assert set(run["timing"]) == {"full", "sekv_pages16"} and run["provenance"]["tasks"] == ["niah_single"]
-    assert list(run["provenance"]["models"]) == [str(d)] or len(run["provenance"]["models"]) == 1
+    assert len(run["provenance"]["models"]) == 1  # the model only: no router read
