@@ -317,6 +317,25 @@ def build(run: Path, base: Path, dest: Path, overwrite: bool = False) -> int:
     return changed
 
 
+CURVES_FORMAT = "kvstate-finetune-curves/1"
+
+
+def curves(runs: dict[str, Path], out: Path, overwrite: bool = False) -> dict[str, Any]:
+    """The finished runs' records (config, curve, tokens, seconds) in one JSON file: what a report plots."""
+    from kvstate.io_safety import write_bytes_atomic
+
+    if out.exists() and not overwrite:
+        raise KVStateError(f"{out} exists; pass --overwrite to replace it")
+    doc: dict[str, Any] = {"format": CURVES_FORMAT, "runs": {}}
+    for name, run in runs.items():
+        if not (run / STATE).is_file():
+            raise KVStateError(f"{run} holds no finished depth fine-tune ({STATE} missing); finish or resume it first")
+        state = json.loads((run / STATE).read_text())
+        doc["runs"][name] = {k: state[k] for k in ("config", "base", "step", "tokens", "seconds", "curve")}
+    write_bytes_atomic(out, (json.dumps(doc, indent=1) + "\n").encode())
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvstate.lab.models.cli import REAL_MODEL
 
@@ -334,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--base", type=Path, default=REAL_MODEL)
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--overwrite", action="store_true")
+    c = sub.add_parser("curves", help="write finished runs' curves to one JSON file (the report plots it)")
+    c.add_argument("--run", action="append", default=[], help="NAME=DIR of a finished run (repeatable)")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--overwrite", action="store_true")
     a = ap.parse_args(argv)
 
     def say(m: str) -> None:
@@ -347,6 +370,12 @@ def main(argv: list[str] | None = None) -> int:
                 "rank", "save_every")})
             state = train(cfg, a.out, a.base, say)
             say(f"done: {state['tokens']} tokens in {state['seconds']} s -> {a.out}")
+        elif a.cmd == "curves":
+            pairs = [r.partition("=") for r in a.run]
+            if not pairs or any(not n or not eq or not d for n, eq, d in pairs):
+                raise KVStateError(f"--run {a.run}: give NAME=DIR at least once, e.g. rcla=runs/depth/pilot-rcla")
+            curves({n: Path(d) for n, _, d in pairs}, a.out, a.overwrite)
+            say(f"wrote {a.out}")
         else:
             n = build(a.run, a.base, a.out, a.overwrite)
             say(f"built {a.out} ({n} weights adapted)")
