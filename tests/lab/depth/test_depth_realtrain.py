@@ -117,3 +117,22 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path: Path, monk
     assert not (tmp_path / ".cut.partial").exists()
     with pytest.raises(KVStateError, match="already holds a finished run"):
         rt.train(cfg, tmp_path / "cut", MODEL, say=lambda _m: None)
+
+
+@needs_model
+def test_a_finished_run_exports_a_bf16_delta_that_builds_the_model_and_its_curves(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    cfg = rt.DepthFinetuneConfig(pattern="cla2", steps=1, rows=1, length=256, warmup=1, lm_share=0.0)
+    rt.train(cfg, tmp_path / "run", MODEL, say=lambda _m: None)
+    assert rt.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "delta")]) == 0
+    with safe_open(str(tmp_path / "delta" / lora.FACTORS), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}  # noqa: SIM118
+    assert rt.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "delta")]) == 2  # no overwrite
+    assert rt.build(tmp_path / "delta", MODEL, tmp_path / "model") == 30 * 7
+    record = json.loads((tmp_path / "model" / "finetune.json").read_text())
+    assert record["config"]["pattern"] == "cla2" and record["tokens"] > 0
+    doc = rt.curves({"cla2": tmp_path / "run"}, tmp_path / "curves.json")
+    assert doc["runs"]["cla2"]["curve"][-1]["step"] == 1 and doc["runs"]["cla2"]["curve"][-1]["owners"] == 15.0
+    with pytest.raises(KVStateError, match="exists"):
+        rt.curves({"cla2": tmp_path / "run"}, tmp_path / "curves.json")

@@ -26,6 +26,10 @@ directory the depth evaluation loads (``python -m kvstate.lab.depth.realmodel --
 
     OMP_NUM_THREADS=1 python -m kvstate.lab.depth.realtrain train --pattern rcla --steps 90 --out runs/rcla-pilot
     python -m kvstate.lab.depth.realtrain build --run runs/rcla-pilot --out runs/rcla-pilot-model
+    python -m kvstate.lab.depth.realtrain export --run runs/rcla-pilot --out models/smollm2-135m-rcla-delta
+
+``export`` writes the bf16 factors and the run's record (a few MB, committed); ``build --run`` takes that delta
+directory as well as a run.
 
 Ignored: full fine-tuning (LoRA only), bf16 autocast, lengths beyond ``length`` (the evaluation runs at 1K).
 """
@@ -353,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--base", type=Path, default=REAL_MODEL)
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--overwrite", action="store_true")
+    x = sub.add_parser("export", help="a finished run's factors in bf16 with its record: the committed delta")
+    x.add_argument("--run", type=Path, required=True)
+    x.add_argument("--out", type=Path, required=True)
+    x.add_argument("--overwrite", action="store_true")
     c = sub.add_parser("curves", help="write finished runs' curves to one JSON file (the report plots it)")
     c.add_argument("--run", action="append", default=[], help="NAME=DIR of a finished run (repeatable)")
     c.add_argument("--out", type=Path, required=True)
@@ -370,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
                 "rank", "save_every")})
             state = train(cfg, a.out, a.base, say)
             say(f"done: {state['tokens']} tokens in {state['seconds']} s -> {a.out}")
+        elif a.cmd == "export":
+            from kvstate.lab.transfer.realpair import export
+
+            if not (a.run / STATE).is_file():
+                raise KVStateError(f"{a.run} holds no finished depth fine-tune ({STATE} missing); finish it first")
+            export(a.run, a.out, a.overwrite)
+            say(f"wrote {a.out} (bf16 factors; rebuild the model with: build --run {a.out} --out DIR)")
         elif a.cmd == "curves":
             pairs = [r.partition("=") for r in a.run]
             if not pairs or any(not n or not eq or not d for n, eq, d in pairs):
