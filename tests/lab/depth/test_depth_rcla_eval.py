@@ -64,3 +64,25 @@ def test_the_driver_scores_every_model_under_every_pattern_per_item(tmp_path):
     ft = s["models"]["ft"]
     assert set(ft["patterns"]) == {x.label for x in rows} and ft["worst_score"] <= ft["mean"]
     assert ft["worst"] in {f"ft:{x.label}" for x in rows}
+
+
+def test_nearest_owner_draws_read_the_closest_owner_below_and_join_the_family():
+    import itertools
+    import random
+
+    from kvstate.lab.depth import nearest
+
+    small = SMOL[:6]
+    for k in range(0, 6):  # every owner set of 6 layers with layer 0: brute force over the definition
+        for rest in itertools.combinations(range(1, 6), k):
+            owners = {0, *rest}
+            p = nearest.from_owners(small, owners)
+            assert p.sources == tuple(max(o for o in owners if o <= i) for i in range(6))
+    with pytest.raises(KVStateError, match="layer 0 must own"):
+        nearest.from_owners(small, {1, 2})
+    got = nearest.draw_exact(SMOL, 15, random.Random(4))
+    assert len(got.owners) == 15 and 0 in got.owners
+    rows = ev.family(SMOL, draws=1, nearest=2)
+    assert [r.label for r in rows] == ["keep@0.5", "top_shared@0.5", "rcla1@0.5", "near1@0.5", "near2@0.5"]
+    assert all(len(r.pattern.owners) == 15 for r in rows) and len({r.pattern for r in rows}) == 5
+    assert all(r.pattern.sources == nearest.from_owners(SMOL, r.pattern.owners).sources for r in rows[3:])

@@ -136,3 +136,22 @@ def test_a_finished_run_exports_a_bf16_delta_that_builds_the_model_and_its_curve
     assert doc["runs"]["cla2"]["curve"][-1]["step"] == 1 and doc["runs"]["cla2"]["curve"][-1]["owners"] == 15.0
     with pytest.raises(KVStateError, match="exists"):
         rt.curves({"cla2": tmp_path / "run"}, tmp_path / "curves.json")
+
+
+def test_nearest_draws_anneal_from_every_layer_owning_and_resume_the_same_stream() -> None:
+    from kvstate.depth.patterns import LayerSpec
+
+    layers = [LayerSpec("full_attention", 3, 64)] * 30
+    a = rt._NearestDraws(layers, 0.5, seed=3, anneal=100)
+    first = [a() for _ in range(10)]
+    assert len(first[0].owners) >= 28  # p starts near 1
+    state = a.state_dict()
+    b = rt._NearestDraws(layers, 0.5, seed=3, anneal=100)
+    b.load_state_dict(json.loads(json.dumps(state)))
+    assert [a() for _ in range(50)] == [b() for _ in range(50)]
+    late = [a() for _ in range(400)][-200:]
+    mean = sum(len(p.owners) for p in late) / len(late)
+    assert 14 < mean < 17  # p = 0.5 after the anneal: 1 + 29 / 2 owners on average
+    with pytest.raises(KVStateError, match="choose one of paper, owner"):
+        rt.DepthFinetuneConfig(rule="bogus")
+    assert rt.DepthFinetuneConfig(rule="nearest").rule == "nearest"

@@ -7,8 +7,9 @@ reference of every comparison (its scores decide the solved cells).
 
 **The declared family at keep 0.5** (:func:`family`): 15 of 30 layers own K/V in every pattern — ``keep@0.5``
 (layers spread evenly; on 30 layers this *is* CLA2, the specialist's own pattern), ``top_shared@0.5`` (layers
-15–29 read layer 14: Gemma 3n's sharing) and ``draws`` seeded R-CLA draws (the ``owner`` rule, exactly 15
-owners; :func:`kvstate.lab.depth.realmodel.rcla_draw`). Each fine-tuned model is scored on its own K/V (keep 1)
+15–29 read layer 14: Gemma 3n's sharing), ``draws`` seeded R-CLA draws (the ``owner`` rule, exactly 15
+owners; :func:`kvstate.lab.depth.realmodel.rcla_draw`) and ``nearest`` seeded nearest-owner draws (15 owners, each
+non-owner reading the closest owner below: :mod:`kvstate.lab.depth.nearest`). Each fine-tuned model is scored on its own K/V (keep 1)
 and under every pattern of the family; the family's **worst** and **mean** pattern per model are the numbers
 the depth claim is about.
 
@@ -41,10 +42,15 @@ KEEP = 0.5
 SEP = ":"  # method names: "<model>" (its own K/V) and "<model>:<pattern>"
 
 
-def family(layers: Sequence[Any], draws: int, draw_seed: int = 0) -> list[Any]:
-    """The declared keep-0.5 family (:class:`kvstate.lab.depth.realmodel.Posthoc` rows): keep, top_shared and
-    ``draws`` R-CLA draws, every one with the same owner count; a draw equal to an earlier pattern is redrawn."""
+NEAREST = "near"  # the family of nearest-owner draws (kvstate.lab.depth.nearest)
+
+
+def family(layers: Sequence[Any], draws: int, draw_seed: int = 0, nearest: int = 0) -> list[Any]:
+    """The declared keep-0.5 family (:class:`kvstate.lab.depth.realmodel.Posthoc` rows): keep, top_shared,
+    ``draws`` R-CLA draws (``owner`` rule) and ``nearest`` nearest-owner draws, every one with the same owner count;
+    a draw equal to an earlier pattern is redrawn."""
     from kvstate.depth.patterns import kept_fraction
+    from kvstate.lab.depth import nearest as near
     from kvstate.lab.depth import realmodel as rm
 
     rows = [rm.Posthoc(f"{fam}@{KEEP:g}", fam, KEEP, rm.FAMILY_AT[fam](layers, KEEP), 0.0)
@@ -56,6 +62,14 @@ def family(layers: Sequence[Any], draws: int, draw_seed: int = 0) -> list[Any]:
         if p not in seen:
             seen.add(p)
             rows.append(rm.Posthoc(f"rcla{sum(r.family == rm.RCLA for r in rows) + 1}@{KEEP:g}", rm.RCLA, KEEP, p, 0.0))
+    rng = random.Random(draw_seed)
+    owners = rm.kept_owners(layers, KEEP)
+    while sum(r.family == NEAREST for r in rows) < nearest:
+        p = near.draw_exact(layers, owners, rng)
+        if p not in seen:
+            seen.add(p)
+            rows.append(rm.Posthoc(f"{NEAREST}{sum(r.family == NEAREST for r in rows) + 1}@{KEEP:g}", NEAREST, KEEP,
+                                   p, 0.0))
     return [rm.Posthoc(r.label, r.family, r.keep, r.pattern, kept_fraction(r.pattern, layers)) for r in rows]
 
 
@@ -195,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvstate.lab.depth.rcla_eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=Path, default=REAL_MODEL, help="the unmodified model (the reference)")
     ap.add_argument("--model", action="append", default=[], help="NAME=DIR of a fine-tuned model (repeatable)")
-    ap.add_argument("--draws", type=int, default=2, help="R-CLA draws in the family beside keep and top_shared")
+    ap.add_argument("--draws", type=int, default=2, help="R-CLA draws (owner rule) in the family beside keep and "
+                    "top_shared")
+    ap.add_argument("--nearest", type=int, default=2, help="nearest-owner draws in the family")
     ap.add_argument("--draw-seed", type=int, default=0)
     ap.add_argument("--task", default="niah_single,niah_multikey")
     ap.add_argument("--length", default="1024")
@@ -216,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         models = parse_models(a.model)
         tasks = parse_names(a.task, "--task", list(rt.TASKS))
         lengths = parse_ints(a.length, "--length", lo=128, example="1024")
-        if a.draws < 0:
-            raise KVStateError(f"--draws {a.draws}: give a count >= 0 (the family has keep and top_shared besides)")
-        rows = family(layer_specs(load_config(a.base)), a.draws, a.draw_seed)
+        if a.draws < 0 or a.nearest < 0:
+            raise KVStateError(f"--draws {a.draws} / --nearest {a.nearest}: give counts >= 0 (the family has keep and "
+                               "top_shared besides)")
+        rows = family(layer_specs(load_config(a.base)), a.draws, a.draw_seed, a.nearest)
         e = experiment(a.base, models, rows, tasks, lengths, a.n, a.seed, a.new_tokens, a.draw_seed)
         check_out(e, a.out, overwrite=a.overwrite)  # the output (and, under models/, the ledger) before the weights
         torch.set_num_threads(1)

@@ -60,13 +60,14 @@ OPTIM = "optimizer.safetensors"
 PATTERNS = ("rcla", "cla2")  # stochastic routing (R-CLA), or the fixed CLA2 pattern at every step (the specialist)
 TASKS = ("niah_single", "niah_multikey")  # the depth evaluation's tasks (kvstate.lab.depth.realmodel.TASKS)
 _KEY = re.compile(r"magic number for (\S+?)\?")
+NEAREST = "nearest"  # R-CLA over the nearest-owner family (kvstate.lab.depth.nearest): any owner set, read the closest
 
 
 @dataclass(frozen=True)
 class DepthFinetuneConfig:
     pattern: str = "rcla"  # one of PATTERNS
     p: float = 0.5  # R-CLA: the probability that a layer keeps its own K/V
-    rule: str = "owner"  # R-CLA's draw (kvstate.depth.registry.RULES): "owner" draws deployable patterns only
+    rule: str = "owner"  # R-CLA's draw: a registered rule (kvstate.depth.registry.RULES) or NEAREST
     anneal: float = 0.0  # R-CLA: p goes from 1 to ``p`` over this share of the run's draws (LayerSkip's curriculum)
     steps: int = 90
     rows: int = 2  # rows per step (gradient accumulation, batch 1 each: no padding)
@@ -91,6 +92,10 @@ class DepthFinetuneConfig:
             raise KVStateError(f"depth fine-tune config {self}: need 0 < p < 1, steps, rows, save_every >= 1, "
                                "256 <= length <= 4096, lr > 0, shares and anneal in (0, 1) / [0, 1), ce_weight >= 0 "
                                "and a dev seed (< 1000)")
+        if self.rule != NEAREST:
+            from kvstate.depth.registry import RULES
+
+            RULES.get(self.rule)  # refuses an unknown rule, listing the registry's
         if self.pattern != "rcla" and self.anneal:
             raise KVStateError(f"anneal={self.anneal}: a fixed pattern has no p to anneal; drop --anneal or train rcla")
 
@@ -176,10 +181,13 @@ class _Routing:
         from kvstate.depth.routing import StochasticKVRouting
 
         self.model, self.cfg = model, cfg
-        self.routing = (StochasticKVRouting(model, cfg.p, seed=cfg.seed, rule=cfg.rule,
-                                            anneal_steps=round(cfg.anneal * cfg.steps * cfg.rows))
-                        if cfg.pattern == "rcla" else None)
-        self.fixed = None if self.routing is not None else FAMILIES.get("cla").build(layer_specs(model.config), 2)
+        self.layers = layer_specs(model.config)
+        anneal = round(cfg.anneal * cfg.steps * cfg.rows)
+        self.nearest = _NearestDraws(self.layers, cfg.p, cfg.seed, anneal) if (
+            cfg.pattern == "rcla" and cfg.rule == NEAREST) else None
+        self.routing = (StochasticKVRouting(model, cfg.p, seed=cfg.seed, rule=cfg.rule, anneal_steps=anneal)
+                        if cfg.pattern == "rcla" and self.nearest is None else None)
+        self.fixed = None if cfg.pattern == "rcla" else FAMILIES.get("cla").build(self.layers, 2)
 
     @contextmanager
     def student(self) -> Iterator[None]:
@@ -188,23 +196,63 @@ class _Routing:
         if self.routing is not None:
             with self.routing:
                 yield
+        elif self.nearest is not None:
+            with routed(self.model, self.nearest):
+                yield
         else:
             fixed = self.fixed
             with routed(self.model, lambda: fixed):
                 yield
 
     def state_dict(self) -> dict[str, Any] | None:
+        if self.nearest is not None:
+            return self.nearest.state_dict()
         return None if self.routing is None else self.routing.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if self.routing is not None and state is not None:
+        if state is None:
+            return
+        if self.nearest is not None:
+            self.nearest.load_state_dict(state)
+        elif self.routing is not None:
             self.routing.load_state_dict(state)
 
     def owners(self) -> float:
-        if self.routing is None:
+        if self.fixed is not None:
             return float(len(self.fixed.owners))
-        last = self.routing.draws[-self.cfg.rows:]
+        draws = self.nearest.draws if self.nearest is not None else self.routing.draws
+        last = draws[-self.cfg.rows:]
         return float(np.mean([len(d.owners) for d in last])) if last else float("nan")
+
+
+class _NearestDraws:
+    """A fresh nearest-owner pattern per forward pass (p annealed from 1 over ``anneal`` draws), resumable."""
+
+    def __init__(self, layers: Any, p: float, seed: int, anneal: int) -> None:
+        import random
+
+        self.layers, self.p, self.anneal = layers, p, anneal
+        self.rng = random.Random(seed)
+        self.drawn = 0
+        self.draws: list[Any] = []
+
+    def __call__(self) -> Any:
+        from kvstate.lab.depth import nearest
+
+        p = 1 - (1 - self.p) * min(1.0, self.drawn / self.anneal) if self.anneal else self.p
+        pattern = nearest.draw(self.layers, p, self.rng)
+        self.drawn += 1
+        self.draws = [*self.draws[-63:], pattern]
+        return pattern
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {"rule": NEAREST, "draws": self.drawn, "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        self.drawn = int(state["draws"])
 
 
 def _save(out: Path, adapters: Any, opt: Any, cfg: DepthFinetuneConfig, state: dict[str, Any]) -> None:
