@@ -4,7 +4,8 @@ Technique: Random Cross-Layer Attention ("Stochastic KV Routing") against the fi
 Transformer Key-Value Cache Size with Cross-Layer Attention"), both LoRA fine-tunes made by
 :mod:`kvstate.lab.depth.realtrain`. Reads ``docs/results/smollm2_depth_ft_pilot.json`` (the newest run of
 :mod:`kvstate.lab.depth.rcla_eval`: every fine-tuned model on its own K/V and under each pattern of the declared
-keep-0.5 family, against the unmodified model) and ``docs/results/smollm2_depth_ft_pilot_curves.json`` (the
+keep-0.5 family, against the unmodified model; ``..._nearest.json`` the second round, R-CLA over nearest-owner
+draws) and ``docs/results/smollm2_depth_ft_pilot_curves.json`` (the
 runs' training curves, :func:`kvstate.lab.depth.realtrain.curves`). Both are dev-seed pilots: shown as a table
 and a figure labelled so, never as a headline row.
 """
@@ -20,20 +21,21 @@ from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, Table
 
 EVAL = "smollm2_depth_ft_pilot.json"
+EVAL_NEAREST = "smollm2_depth_ft_pilot_nearest.json"  # the second pilot round: R-CLA over nearest-owner draws
 CURVES = "smollm2_depth_ft_pilot_curves.json"
-COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_eval --model rcla=runs/depth/pilot-rcla-model "
-           "--model cla2=runs/depth/pilot-cla2-model --n 10 --seed SEED --out docs/results/" + EVAL)
+COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_eval --model NAME=runs/depth/pilot-NAME-model "
+           "--n 10 --seed SEED --out docs/results/FILE")
 
 
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure]]:
     results = models_dir.parent / "docs" / "results"
-    tables = [t for t in (_table(results / EVAL),) if t is not None]
+    tables = [t for t in (_table(results / f) for f in (EVAL, EVAL_NEAREST)) if t is not None]
     figures = [f for f in (_curves(results / CURVES, out_dir),) if f is not None]
     return tables, figures
 
 
 def _table(path: Path) -> Table | None:
-    art = load_artifact(path, COMMAND)
+    art = load_artifact(path, COMMAND.replace("FILE", path.name))
     if art.run is None:  # a dev-seed pilot: shown where it was run, not asked for
         return None
     s = (art.run.get("appendix") or {}).get("summary") or {}
@@ -76,8 +78,9 @@ def _curves(path: Path, out_dir: Path) -> Figure | None:
     name = plots.save(fig, out_dir, "smollm2_depth_ft_curves.png")
     return Figure("Pilot fine-tunes of the real model under cross-layer sharing (dev seed): the routed student's KL "
                   "to the unmodified model on the prompt, and its cross-entropy on the reply", name,
-                  "R-CLA draws a new keep pattern per row (owner rule, p annealed from 1 to 0.5 over the first 30%); "
-                  "CLA2 shares layer 2i+1 with layer 2i at every step.")
+                  "R-CLA draws a new pattern per row (p annealed from 1 to 0.5 over the first 30%; rcla: the owner "
+                  "rule, a routed layer reads any earlier owner; nearest: it reads the closest owner below); CLA2 "
+                  "shares layer 2i+1 with layer 2i at every step.")
 
 
 __all__ = ["build"]
