@@ -19,7 +19,7 @@ from tests.lab.models.test_real_model import MODEL, needs_model
 def test_the_config_refuses_a_test_seed_an_unknown_pattern_and_annealing_a_fixed_pattern() -> None:
     with pytest.raises(KVStateError, match="dev seed"):
         rt.DepthFinetuneConfig(seed=1070)
-    with pytest.raises(KVStateError, match="choose one of rcla, cla2"):
+    with pytest.raises(KVStateError, match="choose one of rcla, cla2, family"):
         rt.DepthFinetuneConfig(pattern="cla3")
     with pytest.raises(KVStateError, match="no p to anneal"):
         rt.DepthFinetuneConfig(pattern="cla2", anneal=0.3)
@@ -155,3 +155,20 @@ def test_nearest_draws_anneal_from_every_layer_owning_and_resume_the_same_stream
     with pytest.raises(KVStateError, match="choose one of paper, owner"):
         rt.DepthFinetuneConfig(rule="bogus")
     assert rt.DepthFinetuneConfig(rule="nearest").rule == "nearest"
+
+
+def test_family_draws_cover_the_declared_family_uniformly_and_resume_the_same_stream() -> None:
+    from kvstate.depth.patterns import LayerSpec
+    from kvstate.lab.depth.rcla_eval import family
+
+    layers = [LayerSpec("full_attention", 3, 64)] * 30
+    declared = [r.pattern for r in family(layers, draws=0, nearest=rt.FAMILY_NEAREST)]
+    a = rt._FamilyDraws(layers, seed=5)
+    got = [a() for _ in range(400)]
+    assert set(got) == set(declared) and len(declared) == 4
+    assert all(70 < got.count(p) < 130 for p in declared)
+    b = rt._FamilyDraws(layers, seed=5)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert [a() for _ in range(20)] == [b() for _ in range(20)]
+    with pytest.raises(KVStateError, match="no p to anneal"):
+        rt.DepthFinetuneConfig(pattern="family", anneal=0.3)

@@ -57,7 +57,11 @@ from kvstate.lab.transfer import lora
 
 STATE = "training_state.json"
 OPTIM = "optimizer.safetensors"
-PATTERNS = ("rcla", "cla2")  # stochastic routing (R-CLA), or the fixed CLA2 pattern at every step (the specialist)
+# stochastic routing (R-CLA); the fixed CLA2 pattern at every step (the specialist); or a uniform draw per row from the
+# declared keep-0.5 family the evaluation scores (kvstate.lab.depth.rcla_eval.family: keep = CLA2, top_shared and
+# FAMILY_NEAREST nearest-owner draws) — R-CLA whose routing distribution is the declared family
+PATTERNS = ("rcla", "cla2", "family")
+FAMILY_NEAREST = 2
 TASKS = ("niah_single", "niah_multikey")  # the depth evaluation's tasks (kvstate.lab.depth.realmodel.TASKS)
 _KEY = re.compile(r"magic number for (\S+?)\?")
 NEAREST = "nearest"  # R-CLA over the nearest-owner family (kvstate.lab.depth.nearest): any owner set, read the closest
@@ -86,6 +90,8 @@ class DepthFinetuneConfig:
     def __post_init__(self) -> None:
         if self.pattern not in PATTERNS:
             raise KVStateError(f"pattern {self.pattern!r}: choose one of {', '.join(PATTERNS)}")
+        if self.pattern == "family" and self.anneal:
+            raise KVStateError(f"anneal={self.anneal}: the family draw has no p to anneal; drop --anneal")
         if not (0 < self.p < 1 and self.steps >= 1 and self.rows >= 1 and 256 <= self.length <= 4096
                 and self.lr > 0 and 0 < self.reply_share < 1 and self.ce_weight >= 0 and 0 <= self.lm_share < 1
                 and 0 <= self.seed < 1000 and self.save_every >= 1 and 0 <= self.anneal < 1):
@@ -187,7 +193,8 @@ class _Routing:
             cfg.pattern == "rcla" and cfg.rule == NEAREST) else None
         self.routing = (StochasticKVRouting(model, cfg.p, seed=cfg.seed, rule=cfg.rule, anneal_steps=anneal)
                         if cfg.pattern == "rcla" and self.nearest is None else None)
-        self.fixed = None if cfg.pattern == "rcla" else FAMILIES.get("cla").build(self.layers, 2)
+        self.fixed = FAMILIES.get("cla").build(self.layers, 2) if cfg.pattern == "cla2" else None
+        self.family = _FamilyDraws(self.layers, cfg.seed) if cfg.pattern == "family" else None
 
     @contextmanager
     def student(self) -> Iterator[None]:
@@ -196,8 +203,8 @@ class _Routing:
         if self.routing is not None:
             with self.routing:
                 yield
-        elif self.nearest is not None:
-            with routed(self.model, self.nearest):
+        elif self.nearest is not None or self.family is not None:
+            with routed(self.model, self.nearest or self.family):
                 yield
         else:
             fixed = self.fixed
@@ -205,22 +212,23 @@ class _Routing:
                 yield
 
     def state_dict(self) -> dict[str, Any] | None:
-        if self.nearest is not None:
-            return self.nearest.state_dict()
+        for draws in (self.nearest, self.family):
+            if draws is not None:
+                return draws.state_dict()
         return None if self.routing is None else self.routing.state_dict()
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state is None:
             return
-        if self.nearest is not None:
-            self.nearest.load_state_dict(state)
+        if self.nearest is not None or self.family is not None:
+            (self.nearest or self.family).load_state_dict(state)
         elif self.routing is not None:
             self.routing.load_state_dict(state)
 
     def owners(self) -> float:
         if self.fixed is not None:
             return float(len(self.fixed.owners))
-        draws = self.nearest.draws if self.nearest is not None else self.routing.draws
+        draws = (self.nearest or self.family or self.routing).draws
         last = draws[-self.cfg.rows:]
         return float(np.mean([len(d.owners) for d in last])) if last else float("nan")
 
@@ -253,6 +261,25 @@ class _NearestDraws:
         version, internal, gauss = state["rng"]
         self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
         self.drawn = int(state["draws"])
+
+
+class _FamilyDraws(_NearestDraws):
+    """A uniform draw per forward pass from the declared keep-0.5 family, resumable."""
+
+    def __init__(self, layers: Any, seed: int) -> None:
+        from kvstate.lab.depth.rcla_eval import family
+
+        super().__init__(layers, 0.5, seed, 0)
+        self.patterns = [r.pattern for r in family(layers, draws=0, draw_seed=0, nearest=FAMILY_NEAREST)]
+
+    def __call__(self) -> Any:
+        pattern = self.patterns[self.rng.randrange(len(self.patterns))]
+        self.drawn += 1
+        self.draws = [*self.draws[-63:], pattern]
+        return pattern
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "rule": "family"}
 
 
 def _save(out: Path, adapters: Any, opt: Any, cfg: DepthFinetuneConfig, state: dict[str, Any]) -> None:
