@@ -22,6 +22,10 @@ from kvstate.lab.report.html import Figure, Table
 
 EVAL = "smollm2_depth_ft_pilot.json"
 EVAL_NEAREST = "smollm2_depth_ft_pilot_nearest.json"  # the second pilot round: R-CLA over nearest-owner draws
+EVAL_FAMILY = "smollm2_depth_ft_pilot_family.json"  # and R-CLA over the declared family (a uniform draw of 4 patterns)
+PPL = "smollm2_depth_ft_ppl_pilot.json"  # held-out perplexity of the pilots (kvstate.lab.depth.real_ppl)
+PPL_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.real_ppl --model NAME=runs/depth/pilot-NAME-model "
+               "--n 12 --seed SEED --out docs/results/" + PPL)
 CURVES = "smollm2_depth_ft_pilot_curves.json"
 COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_eval --model NAME=runs/depth/pilot-NAME-model "
            "--n 10 --seed SEED --out docs/results/FILE")
@@ -29,7 +33,8 @@ COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_eval --model NAME
 
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure]]:
     results = models_dir.parent / "docs" / "results"
-    tables = [t for t in (_table(results / f) for f in (EVAL, EVAL_NEAREST)) if t is not None]
+    tables = [t for t in (*(_table(results / f) for f in (EVAL, EVAL_NEAREST, EVAL_FAMILY)), _ppl(results / PPL))
+              if t is not None]
     figures = [f for f in (_curves(results / CURVES, out_dir),) if f is not None]
     return tables, figures
 
@@ -59,6 +64,21 @@ def _table(path: Path) -> Table | None:
                  "pattern (docs/results/smollm2_depth_posthoc_pilot.json).")
 
 
+def _ppl(path: Path) -> Table | None:
+    art = load_artifact(path, PPL_COMMAND)
+    if art.run is None:
+        return None
+    s = (art.run.get("appendix") or {}).get("summary") or {}
+    rows = [[r["method"], f"{r['ppl']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] ({r['windows']})",
+             f"{r['ratio']:.3f}x [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]" if "ratio" in r else "1",
+             art.status] for r in s.get("rows") or []]
+    return Table("Real model, fine-tuned for cross-layer sharing (dev pilot): held-out perplexity on its own K/V and "
+                 "under each keep-0.5 pattern, against the unmodified model",
+                 ["method", "perplexity [95%] (windows)", "vs unmodified (paired ratio)", "file"], rows,
+                 "Windows of 512 tokens of the held-out licence text (never a haystack); issue 45's targets: keep 0.5 "
+                 "<= 1.05x the unmodified model, keep 1 within 1%.")
+
+
 def _curves(path: Path, out_dir: Path) -> Figure | None:
     if not path.is_file():
         return None
@@ -79,8 +99,9 @@ def _curves(path: Path, out_dir: Path) -> Figure | None:
     return Figure("Pilot fine-tunes of the real model under cross-layer sharing (dev seed): the routed student's KL "
                   "to the unmodified model on the prompt, and its cross-entropy on the reply", name,
                   "R-CLA draws a new pattern per row (p annealed from 1 to 0.5 over the first 30%; rcla: the owner "
-                  "rule, a routed layer reads any earlier owner; nearest: it reads the closest owner below); CLA2 "
-                  "shares layer 2i+1 with layer 2i at every step.")
+                  "rule, a routed layer reads any earlier owner; nearest: it reads the closest owner below; family: a "
+                  "uniform draw of the 4 declared keep-0.5 patterns, no anneal); CLA2 shares layer 2i+1 with layer "
+                  "2i at every step.")
 
 
 __all__ = ["build"]
