@@ -44,3 +44,27 @@ def test_nothing_is_shown_without_a_pilot_and_a_pilot_reads_as_a_table_and_a_fig
     assert "worst top_shared@0.5 0.40" in t.note and "mean 0.80" in t.note and "dev-seed pilot" in t.title
     (f,) = figures
     assert (tmp_path / f.filename).stat().st_size > 1000
+
+
+def test_the_perplexity_pilot_reads_as_a_table_of_ratios(models, tmp_path):
+    from kvstate.lab.depth import real_ppl
+
+    results = models.parent / "docs" / "results"
+    results.mkdir(parents=True)
+    methods = ("base", "ft", "ft:keep@0.5")
+    e = X.Experiment(axis="depth", name="p", methods=methods, seeds=(491,), tasks=(real_ppl.TASK,), lengths=(512,),
+                     n=4, reference="base", code=("lab/scoring.py",))
+    nll = {"base": 1000.0, "ft": 1010.0, "ft:keep@0.5": 1100.0}
+
+    def item(it: X.Item) -> X.ItemResult:
+        return X.ItemResult({m: 0.5 for m in methods}, {m: {"nll": v + it.index, "tokens": 511} for m, v in nll.items()})
+
+    def appendix(j):
+        return {"summary": real_ppl.summary(e, [j.get(f"491/512/heldout/{i}") for i in range(4)])}
+
+    X.run_items(e, item, out=results / ft_section.PPL, appendix=appendix)
+    tables, _ = ft_section.build(models, tmp_path)
+    (t,) = tables
+    by = {r[0]: r for r in t.rows}
+    assert by["base"][2] == "1" and by["ft:keep@0.5"][2].startswith("1.216x")  # exp(100 / 511): 100 nats more
+    assert by["ft"][2].startswith("1.020x") and "1.05x" in t.note
