@@ -324,7 +324,7 @@ def decode_rows(models_dir: Path) -> list[HeadlineRow]:
 
 REAL_DECODE = "smollm2/" + DECODE_FILE
 REAL_DECODE_COMMAND = ("kvstate depth decode --model models/smollm2-135m-instruct --keep 1,0.5 --context 4K "
-                       "--new-tokens 32 --repeats 5 --seed 0 --post-hoc --json --out models/" + REAL_DECODE)
+                       "--new-tokens 32 --repeats 5 --seed 1068 --post-hoc --json --out models/" + REAL_DECODE)
 
 
 def real_decode_rows(models_dir: Path) -> list[HeadlineRow]:
