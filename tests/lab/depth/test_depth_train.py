@@ -177,7 +177,8 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
     worst = {h.target: h.status for h in stale.headline if "worst pattern" in h.target}
     assert len(worst) == 2 and set(worst.values()) == {"missing"}
     decode = [h for h in stale.headline if "decode through model.generate" in h.target]
-    assert [h.status for h in decode] == ["missing"]  # no depth_decode.json in this tree
+    # no depth_decode.json in this tree: the real model's row and the reference model's, both missing
+    assert [h.status for h in decode] == ["missing", "missing"] and "smollm2" in decode[0].command
     real = [h for h in stale.headline if h.technique == real_section.WHERE]  # the real model's part: its own test
     assert [h.status for h in real] == ["missing"]
     assert {h.status for h in stale.headline if h.target not in worst and h not in decode + real} == {"stale"}

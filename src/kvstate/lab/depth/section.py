@@ -351,7 +351,7 @@ def decode_decision(art: Any, who: str, because: str) -> list[HeadlineRow]:
         rows = [artifact_row(art, TECH, target, f"not decided: {exc}", status="undecided")]
     else:
         lo, hi = h.lo / f.hi, h.hi / f.lo
-        rows = [artifact_row(art, TECH, target, f"{h.value / f.value:.2f}x ({h.value:.0f} vs {f.value:.0f} tokens/s at "
+        rows = [artifact_row(art, TECH, target, f"{h.value / f.value:.2f}x ({h.value:.3g} vs {f.value:.3g} tokens/s at "
                              f"{art.run.get('context')} tokens; {lo:.2f}x-{hi:.2f}x over the repeats' min / max)",
                              status=stats.decide(lo, hi, 1.0), repeats=repeats, ci=(lo, hi))]
     ratio = half["cache_bytes"] / full["cache_bytes"]
