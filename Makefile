@@ -50,7 +50,13 @@ REAL_CONSUMER := models/smollm2-135m-ft/manifest.json
 $(REAL_CONSUMER): $(REAL_MODEL) models/smollm2-135m-ft-delta/lora.safetensors
 	$(BIN)/python -m kvstate.lab.transfer.realpair build
 
-setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
+# the real model's depth fine-tunes (R-CLA, the CLA2 specialist): the converted base with a committed LoRA delta merged
+# in (gitignored); only the deltas that are committed are built
+DEPTH_MODELS := $(patsubst %-delta/lora.safetensors,%/manifest.json,$(wildcard models/smollm2-135m-rcla-delta/lora.safetensors models/smollm2-135m-cla2-delta/lora.safetensors))
+$(DEPTH_MODELS): models/%/manifest.json: models/%-delta/lora.safetensors $(REAL_MODEL)
+	$(BIN)/python -m kvstate.lab.depth.realtrain build --run models/$*-delta --out models/$* --overwrite
+
+setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(DEPTH_MODELS)
 
 demo: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
 	$(BIN)/kvstate report --out $(OUT)
