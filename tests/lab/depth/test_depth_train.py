@@ -15,7 +15,7 @@ import pytest
 
 from kvstate.depth.patterns import PatternError
 from kvstate.errors import KVStateError
-from kvstate.lab.depth import real_section
+from kvstate.lab.depth import rcla_section, real_section
 from kvstate.lab.depth.train import DepthTrainConfig, depth_train
 from kvstate.lab.training.train import load_state
 from tests.lab.depth.conftest import FAST
@@ -174,14 +174,18 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
         (tmp_path / "models" / name / "depth_eval.json").write_text(json.dumps({"model": name, "results": res}))
     stale = build(tmp_path, tmp_path / "models")
     # rows from before families were scored: the worst-pattern targets are missing, every other row stale
-    worst = {h.target: h.status for h in stale.headline if "worst pattern" in h.target}
+    worst = {h.target: h.status for h in stale.headline if "worst pattern" in h.target
+             and h.technique != rcla_section.WHERE}
     assert len(worst) == 2 and set(worst.values()) == {"missing"}
+    headline = [h for h in stale.headline if h.technique == rcla_section.WHERE]  # the real model's: first, missing
+    assert stale.headline[:2] == headline and [h.status for h in headline] == ["missing", "missing"]
     decode = [h for h in stale.headline if "decode through model.generate" in h.target]
     # no depth_decode.json in this tree: the real model's row and the reference model's, both missing
     assert [h.status for h in decode] == ["missing", "missing"] and "smollm2" in decode[0].command
     real = [h for h in stale.headline if h.technique == real_section.WHERE]  # the real model's part: its own test
     assert [h.status for h in real] == ["missing"]
-    assert {h.status for h in stale.headline if h.target not in worst and h not in decode + real} == {"stale"}
+    assert {h.status for h in stale.headline if h.target not in worst and h not in decode + real + headline} == {
+        "stale"}
     assert all(h.source == "artifact" for h in stale.headline)
     for name, res in files.items():  # the same numbers written by kvstate depth eval --out (with provenance)
         path = tmp_path / "models" / name / "depth_eval.json"

@@ -20,7 +20,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from kvstate.lab import protocol, stats
-from kvstate.lab.depth import ft_section, real_section
+from kvstate.lab.depth import ft_section, rcla_section, real_section
 from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report import floor
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
@@ -631,13 +631,16 @@ def build(out_dir: Path, models_dir: Path) -> Section:
             rows = [replace(r, measured="{}{}{}{}".format(r.measured.partition(" [stale: ")[0], note,
                                                            *r.measured.partition(" [stale: ")[1:]))
                     if r.target.startswith("R-CLA keep 0.5 retrieval") else r for r in rows]
-    real_tables, real_head = real_section.build(models_dir)  # the real model leads
+    rcla_tables, rcla_head = rcla_section.build(models_dir)  # the real model's headline leads
+    real_tables, real_head = real_section.build(models_dir)
     ft_tables, ft_figures = ft_section.build(models_dir, out_dir)  # its fine-tune pilots (dev seeds)
-    intro = ("The real model first: on SmolLM2-135M-Instruct's 30 layers, the training-free cross-layer low-rank "
-             "rival (xKV) at keep 0.5's bytes; then the 4-layer reference models. " + intro)
+    intro = ("The real model first: on SmolLM2-135M-Instruct's 30 layers, R-CLA against the CLA2 specialist at the "
+             "same fine-tuning budget over a declared keep-0.5 family (test seeds), the training-free cross-layer "
+             "low-rank rival (xKV) at keep 0.5's bytes, and the fine-tune pilots; then the 4-layer reference "
+             "models. " + intro)
     return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER, intro=intro,
-                   tables=[*real_tables, *ft_tables, table, *filter(None, [floor_table, pilot_table])],
+                   tables=[*rcla_tables, *real_tables, *ft_tables, table, *filter(None, [floor_table, pilot_table])],
                    figures=[*ft_figures, _figure(res, out_dir), *filter(None, [pilot_fig, _pilot(models_dir, out_dir),
                                                                   _curves(models_dir, out_dir)])], summary={"results": res, "artifacts": {n: {"path": a.path, "status": a.status, "reason": a.reason,
                                                                        "provenance": a.provenance} for n, a in arts.items()}},
-                   headline=[*real_head, *real_decode_rows(models_dir), *rows, *floor_rows, *decode_rows(models_dir)], notes=notes(models_dir))
+                   headline=[*rcla_head, *real_head, *real_decode_rows(models_dir), *rows, *floor_rows, *decode_rows(models_dir)], notes=notes(models_dir))
