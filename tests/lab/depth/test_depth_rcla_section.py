@@ -69,11 +69,55 @@ def test_the_headline_rows_are_the_loops_decisions_and_the_class_check(tmp_path)
     cls = [r for r in head if r.target.startswith("every pattern >= 0.9x")]
     assert [r.target.split(" on ")[-1] for r in cls] == ["niah_single@2048", "niah_multikey@2048"]
     assert all(r.status == "missed" and "worst top_shared@0.5 0.00" in r.measured for r in cls)
-    missing = [r for r in head if r.status == "missing"]
-    assert len(missing) == 1 and "--length 4096 --seed 1070" in missing[0].command
+    missing = [r.command for r in head if r.status == "missing"]  # 4K and the perplexity run
+    assert missing == [rcla_section.command(4096), rcla_test.PPL_COMMAND, rcla_test.PPL_COMMAND]
+    assert "--length 4096 --seed 1070" in missing[0]
 
 
-def test_no_files_give_one_missing_row_per_length_with_its_command(tmp_path):
+def test_no_files_give_one_missing_row_per_target_group_with_its_command(tmp_path):
     tables, head = rcla_section.build(tmp_path)
-    assert tables == [] and [r.status for r in head] == ["missing", "missing"]
-    assert [r.command for r in head] == [rcla_section.command(2048), rcla_section.command(4096)]
+    assert tables == [] and [r.status for r in head] == ["missing"] * 4
+    assert [r.command for r in head] == [rcla_section.command(2048), rcla_section.command(4096),
+                                         rcla_test.PPL_COMMAND, rcla_test.PPL_COMMAND]
+
+
+def _ppl_file(models_dir, tmp_path, rcla_nll, own_nll):
+    """A perplexity result through the loop: 17 windows; the reference's NLL 2.0 per token, R-CLA's given."""
+    from kvstate.lab.depth import real_ppl
+    from kvstate.lab.experiment import Experiment
+
+    labels = [r.label for r in rcla_test.declared_family(SMOL)]
+    methods = ("base", "rcla", *(f"rcla:{x}" for x in labels))
+    e = Experiment(axis="depth", name=real_ppl.EXPERIMENT, methods=methods, seeds=(1071,), tasks=("heldout",),
+                   lengths=(512,), n=17, reference="base")
+    recs = {}
+
+    def fn(item):
+        wobble = 0.02 * ((item.index % 3) - 1)
+        nll = {"base": 2.0, "rcla": own_nll, **{f"rcla:{x}": rcla_nll.get(x, 2.0) for x in labels}}
+        jitter = {m: 0.0 if m == "base" else 0.002 * ((item.index % 2) * 2 - 1) for m in nll}  # paired spread
+        extra = {m: {"nll": round((v + wobble + jitter[m]) * 511, 4), "tokens": 511} for m, v in nll.items()}
+        recs[item.unit] = {"scores": {m: 0.5 for m in methods}, "extra": extra}
+        return ItemResult(recs[item.unit]["scores"], extra)
+
+    out = models_dir / rcla_test.PPL_FILE.relative_to("models")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    run_items(e, fn, out=out, appendix=lambda j: {"summary": real_ppl.summary(e, [recs[it.unit] for it in items(e)])})
+
+
+def test_perplexity_targets_read_the_worst_pattern_and_the_own_kv_ratio(tmp_path):
+    import math
+
+    models_dir = tmp_path / "models"
+    _ppl_file(models_dir, tmp_path, {"top_shared@0.5": 2.2}, 2.0)  # exp(0.2) = 1.22x on top_shared; own equal
+    tables, head = rcla_section.build(models_dir)
+    by = {r.target: r for r in head if r.status != "missing"}
+    half = by["R-CLA held-out perplexity, every keep-0.5 pattern <= 1.05x the unmodified model"]
+    assert half.status == "missed" and half.measured.startswith(f"worst top_shared@0.5 {math.exp(0.2):.3f}x")
+    one = by["R-CLA held-out perplexity on its own K/V within 1% of the unmodified model"]
+    assert one.status == "met" and one.n == 17
+    assert tables[-1].rows[0][0] == "base" and len(tables[-1].rows) == 6
+    _ppl_file(tmp_path / "m2", tmp_path, {}, 2.05)  # own K/V 1.051x: missed; every pattern equal: met
+    by = {r.target: r for r in rcla_section.build(tmp_path / "m2")[1] if r.status != "missing"}
+    assert by["R-CLA held-out perplexity on its own K/V within 1% of the unmodified model"].status == "missed"
+    assert by["R-CLA held-out perplexity, every keep-0.5 pattern <= 1.05x the unmodified model"].status == "met"

@@ -178,7 +178,7 @@ def test_card_and_report_section_read_the_committed_files(start, tmp_path):
              and h.technique != rcla_section.WHERE}
     assert len(worst) == 2 and set(worst.values()) == {"missing"}
     headline = [h for h in stale.headline if h.technique == rcla_section.WHERE]  # the real model's: first, missing
-    assert stale.headline[:2] == headline and [h.status for h in headline] == ["missing", "missing"]
+    assert stale.headline[:4] == headline and [h.status for h in headline] == ["missing"] * 4
     decode = [h for h in stale.headline if "decode through model.generate" in h.target]
     # no depth_decode.json in this tree: the real model's row and the reference model's, both missing
     assert [h.status for h in decode] == ["missing", "missing"] and "smollm2" in decode[0].command
