@@ -83,18 +83,19 @@ def test_no_files_give_one_missing_row_per_target_group_with_its_command(tmp_pat
 
 def _ppl_file(models_dir, tmp_path, rcla_nll, own_nll):
     """A perplexity result through the loop: 17 windows; the reference's NLL 2.0 per token, R-CLA's given."""
-    from kvstate.lab.depth import real_ppl
-    from kvstate.lab.experiment import Experiment
+    from kvstate.lab.depth import rcla_ppl, real_ppl
 
-    labels = [r.label for r in rcla_test.declared_family(SMOL)]
-    methods = ("base", "rcla", *(f"rcla:{x}" for x in labels))
-    e = Experiment(axis="depth", name=real_ppl.EXPERIMENT, methods=methods, seeds=(1071,), tasks=("heldout",),
-                   lengths=(512,), n=17, reference="base")
+    rows = rcla_test.declared_family(SMOL)
+    labels = [r.label for r in rows]
+    m = _models(tmp_path / f"w-{models_dir.name}")
+    e = rcla_ppl.experiment(rows, 1071, 17, m["base"], {"rcla": m["rcla"], "cla2": m["cla2"]})
+    methods = e.methods
     recs = {}
 
     def fn(item):
         wobble = 0.02 * ((item.index % 3) - 1)
-        nll = {"base": 2.0, "rcla": own_nll, **{f"rcla:{x}": rcla_nll.get(x, 2.0) for x in labels}}
+        nll = {"base": 2.0, "rcla": own_nll, **{f"rcla:{x}": rcla_nll.get(x, 2.0) for x in labels},
+               "cla2": 2.5, **{f"cla2:{x}": 3.0 for x in labels}}  # the specialist's rows decide nothing
         jitter = {m: 0.0 if m == "base" else 0.002 * ((item.index % 2) * 2 - 1) for m in nll}  # paired spread
         extra = {m: {"nll": round((v + wobble + jitter[m]) * 511, 4), "tokens": 511} for m, v in nll.items()}
         recs[item.unit] = {"scores": {m: 0.5 for m in methods}, "extra": extra}
@@ -102,7 +103,11 @@ def _ppl_file(models_dir, tmp_path, rcla_nll, own_nll):
 
     out = models_dir / rcla_test.PPL_FILE.relative_to("models")
     out.parent.mkdir(parents=True, exist_ok=True)
-    run_items(e, fn, out=out, appendix=lambda j: {"summary": real_ppl.summary(e, [recs[it.unit] for it in items(e)])})
+    def appendix(j):
+        s = real_ppl.summary(e, [recs[it.unit] for it in items(e)])
+        return {"summary": s, "decisions": rcla_ppl.decisions(s)}
+
+    run_items(e, fn, out=out, appendix=appendix)
 
 
 def test_perplexity_targets_read_the_worst_pattern_and_the_own_kv_ratio(tmp_path):
@@ -116,7 +121,7 @@ def test_perplexity_targets_read_the_worst_pattern_and_the_own_kv_ratio(tmp_path
     assert half.status == "missed" and half.measured.startswith(f"worst top_shared@0.5 {math.exp(0.2):.3f}x")
     one = by["R-CLA held-out perplexity on its own K/V within 1% of the unmodified model"]
     assert one.status == "met" and one.n == 17
-    assert tables[-1].rows[0][0] == "base" and len(tables[-1].rows) == 6
+    assert tables[-1].rows[0][0] == "base" and len(tables[-1].rows) == 11
     _ppl_file(tmp_path / "m2", tmp_path, {}, 2.05)  # own K/V 1.051x: missed; every pattern equal: met
     by = {r.target: r for r in rcla_section.build(tmp_path / "m2")[1] if r.status != "missing"}
     assert by["R-CLA held-out perplexity on its own K/V within 1% of the unmodified model"].status == "missed"

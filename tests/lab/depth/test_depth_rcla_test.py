@@ -75,11 +75,14 @@ def test_class_ratios_decide_score_against_0_9x_the_reference_per_class():
 
 
 def test_missing_models_are_refused_with_the_fix(tmp_path, capsys):
-    code = rt.main(["--length", "4096", "--seed", "1069", "--base", str(tmp_path), "--rcla", str(tmp_path)])
-    assert code == 2 and "holds no model" in capsys.readouterr().err
-    if (MODEL / "config.json").is_file():
-        code = rt.main(["--length", "4096", "--seed", "1069", "--rcla", str(tmp_path)])
-        assert code == 2 and "make setup" in capsys.readouterr().err
+    from kvstate.lab.depth import rcla_ppl
+
+    for main, args in ((rt.main, ["--length", "4096", "--seed", "1069"]), (rcla_ppl.main, ["--seed", "1071"])):
+        code = main([*args, "--base", str(tmp_path), "--rcla", str(tmp_path)])
+        assert code == 2 and "holds no model" in capsys.readouterr().err
+        if (MODEL / "config.json").is_file():
+            code = main([*args, "--rcla", str(tmp_path)])
+            assert code == 2 and "make setup" in capsys.readouterr().err
 
 
 @needs_model

@@ -7,7 +7,7 @@ newest run of ``models/smollm2/depth_rcla_{2048,4096}.json`` (:mod:`kvstate.lab.
 length (every method per task class, the unmodified model first), the family's worst and mean per model, and
 one headline row per pre-registered target (the loop's decisions) plus, per class the unmodified model scores
 ≥ 0.5 on, the "≥ 0.9× the unmodified model" check of the worst pattern; from ``models/smollm2/depth_rcla_ppl.json``
-(:mod:`kvstate.lab.depth.real_ppl`) the held-out perplexity table and its two targets. A missing or stale file
+(:mod:`kvstate.lab.depth.rcla_ppl`) the held-out perplexity table and that run's two decisions. A missing or stale file
 shows the command that writes it.
 """
 
@@ -47,18 +47,16 @@ def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
 
 
 def _ppl(models_dir: Path) -> tuple[Table | None, list[HeadlineRow]]:
-    """Held-out perplexity (:data:`kvstate.lab.depth.rcla_test.PPL_FILE`): R-CLA's worst pattern <= 1.05x and its
-    own K/V within 1% of the unmodified model, each on its paired ratio's interval."""
-    from kvstate.lab import protocol, stats
-
+    """Held-out perplexity (:data:`kvstate.lab.depth.rcla_test.PPL_FILE`): the table and the run's two decisions."""
     path = models_dir / rcla_test.PPL_FILE.relative_to("models")
     art = load_artifact(path, rcla_test.PPL_COMMAND)
-    half = f"R-CLA held-out perplexity, every keep-0.5 pattern <= {rcla_test.PPL_KEEP_HALF:g}x the unmodified model"
-    one = f"R-CLA held-out perplexity on its own K/V within {rcla_test.PPL_KEEP_ONE:.0%} of the unmodified model"
     if art.run is None:
-        return None, [artifact_row(art, WHERE, half, ""), artifact_row(art, WHERE, one, "")]
-    s = (art.run.get("appendix") or {}).get("summary") or {}
-    rows = s.get("rows") or []
+        return None, [artifact_row(art, WHERE, f"R-CLA held-out perplexity, every keep-0.5 pattern <= "
+                                   f"{rcla_test.PPL_KEEP_HALF:g}x the unmodified model", ""),
+                      artifact_row(art, WHERE, f"R-CLA held-out perplexity on its own K/V within "
+                                   f"{rcla_test.PPL_KEEP_ONE:.0%} of the unmodified model", "")]
+    appendix = art.run.get("appendix") or {}
+    rows = (appendix.get("summary") or {}).get("rows") or []
     table = Table("Real model: held-out perplexity of the unmodified model and each fine-tune, on its own K/V and under "
                   "each pattern of the keep-0.5 family",
                   ["method", "perplexity [95%] (windows)", "vs unmodified (paired ratio)", "file"],
@@ -67,23 +65,10 @@ def _ppl(models_dir: Path) -> tuple[Table | None, list[HeadlineRow]]:
                     art.status] for r in rows],
                   "Every 512-token window of the held-out licence text (never a haystack); windows resampled for the "
                   "intervals.")
-    by = {r["method"]: r for r in rows}
-    head = []
-    fam = [r for r in rows if r["method"].startswith(rcla_test.RCLA + rcla_test.SEP)]
-    if fam:
-        worst = max(fam, key=lambda r: r["ratio"])
-        status = protocol.combine_status([stats.decide(r["ratio_ci"][0], r["ratio_ci"][1], rcla_test.PPL_KEEP_HALF,
-                                                       higher_is_better=False) for r in fam])
-        head.append(artifact_row(art, WHERE, half, f"worst {worst['method'].split(':', 1)[1]} {worst['ratio']:.3f}x "
-                                 f"[{worst['ratio_ci'][0]:.3f}, {worst['ratio_ci'][1]:.3f}]", status=status,
-                                 ci=(float(worst["ratio_ci"][0]), float(worst["ratio_ci"][1])), n=worst["windows"]))
-    own = by.get(rcla_test.RCLA)
-    if own is not None:
-        lo, hi = own["ratio_ci"]
-        status = protocol.combine_status([stats.decide(lo, hi, 1 + rcla_test.PPL_KEEP_ONE, higher_is_better=False),
-                                          stats.decide(lo, hi, 1 - rcla_test.PPL_KEEP_ONE)])
-        head.append(artifact_row(art, WHERE, one, f"{own['ratio']:.3f}x [{lo:.3f}, {hi:.3f}]", status=status,
-                                 ci=(float(lo), float(hi)), n=own["windows"]))
+    head = [artifact_row(art, WHERE, d["label"], (f"worst {d['method'].split(':', 1)[1]} " if ":" in d["method"] else "")
+                         + f"{d['value']:.3f}x [{d['ci'][0]:.3f}, {d['ci'][1]:.3f}]", status=d["status"],
+                         ci=(float(d["ci"][0]), float(d["ci"][1])), n=d["n"])
+            for d in appendix.get("decisions") or []]
     return table, head
 
 

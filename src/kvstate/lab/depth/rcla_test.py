@@ -25,9 +25,9 @@ lengths (``models/smollm2/realtext_{2048,4096}.json``) — 100 items each.
 - at the specialist's own pattern (``keep@0.5``): R-CLA ≥ CLA2 − 0.02;
 - on every other pattern: R-CLA ≥ CLA2 + 0.10.
 
-Held-out perplexity (:data:`PPL_COMMAND`, every 512-token window of the held-out licence text): every pattern
-of the family ≤ 1.05× the unmodified model and the own K/V within 1% of it, each decided on its paired ratio's
-interval. Every task class is shown beside the pooled score; for the classes the reference scores ≥ 0.5 on but does not
+Held-out perplexity (:mod:`kvstate.lab.depth.rcla_ppl`, every 512-token window of the held-out licence text):
+every pattern of the family ≤ 1.05× the unmodified model and the own K/V within 1% of it, each decided by that
+run on its paired ratio's interval. Every task class is shown beside the pooled score; for the classes the reference scores ≥ 0.5 on but does not
 solve (``niah_multikey``), the appendix decides "≥ 0.9× the reference" as the paired difference of
 ``score − 0.9 × reference`` against 0 (:func:`class_ratios`). Item-major through the lab's loop (one prompt per
 item answered by every method; a journal, so an interrupted run resumes). Run as a module::
@@ -35,7 +35,7 @@ item answered by every method; a journal, so an interrupted run resumes). Run as
     OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_test --length 2048 --seed 1069 \\
         --out models/smollm2/depth_rcla_2048.json
 
-Measured by their own runs: perplexity (:mod:`kvstate.lab.depth.real_ppl`, :data:`PPL_COMMAND`) and decode speed
+Measured by their own runs: perplexity (:mod:`kvstate.lab.depth.rcla_ppl`, :data:`PPL_COMMAND`) and decode speed
 (``kvstate depth decode``, ``models/smollm2/depth_decode.json``).
 """
 
@@ -65,12 +65,11 @@ RATIO = 0.9  # "≥ 0.9× the unmodified model"
 WITHIN_REFERENCE = -0.10  # R-CLA − reference on the solved tasks (the reference ≥ 0.9 there: 0.9× within 0.01)
 WITHIN_SPECIALIST = -0.02  # R-CLA − CLA2 at CLA2's own pattern
 AHEAD_OF_SPECIALIST = 0.10  # R-CLA − CLA2 on every other pattern
-# held-out perplexity (kvstate.lab.depth.real_ppl over the same family; decided on its paired ratio's interval):
+# held-out perplexity (kvstate.lab.depth.rcla_ppl over the same family; decided on its paired ratio's interval):
 PPL_KEEP_HALF = 1.05  # every pattern of the family <= 1.05x the unmodified model
 PPL_KEEP_ONE = 0.01  # own K/V within 1% of it
 PPL_FILE = Path("models/smollm2/depth_rcla_ppl.json")
-PPL_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.depth.real_ppl --model rcla=models/smollm2-135m-rcla "
-               "--model cla2=models/smollm2-135m-cla2 --draws 0 --nearest 2 --n 17 --seed 1071 --out " + str(PPL_FILE))
+PPL_COMMAND = "OMP_NUM_THREADS=1 python -m kvstate.lab.depth.rcla_ppl --seed 1071 --out " + str(PPL_FILE)
 
 
 @dataclass(frozen=True)
