@@ -126,3 +126,25 @@ def test_perplexity_targets_read_the_worst_pattern_and_the_own_kv_ratio(tmp_path
     by = {r.target: r for r in rcla_section.build(tmp_path / "m2")[1] if r.status != "missing"}
     assert by["R-CLA held-out perplexity on its own K/V within 1% of the unmodified model"].status == "missed"
     assert by["R-CLA held-out perplexity, every keep-0.5 pattern <= 1.05x the unmodified model"].status == "met"
+
+
+def test_a_target_with_nothing_pooled_stays_in_the_headline_as_undecided(tmp_path):
+    m = _models(tmp_path)
+    rows = rcla_test.declared_family(SMOL)
+    plan = rcla_test.PLANS[4096]
+    e = rcla_test.experiment(plan, rows, 1070, 4, m["base"], {"rcla": m["rcla"]}, 48)
+    recs = {}
+
+    def measure(item):  # the reference solves nothing (0.5 < 0.9): no task is pooled
+        s = {name: float(item.index % 2) for name in e.methods}
+        recs[item.unit] = {"scores": s}
+        return ItemResult(s, {})
+
+    out = tmp_path / "models" / "smollm2" / "depth_rcla_4096.json"
+    out.parent.mkdir(parents=True)
+    run_items(e, measure, out=out, appendix=lambda j: {"summary": rcla_test.summary(e, [
+        {"task": it.task, "length": it.length, **recs[it.unit]} for it in items(e)])})
+    tables, head = rcla_section.build(tmp_path / "models")
+    assert "at 4,096 tokens: R-CLA under" in tables[0].title  # the specialist is not scored at 4K
+    mine = [r for r in head if r.target.endswith("at 4096")]
+    assert len(mine) == 4 and all(r.status == "undecided" and r.measured.startswith("— (the reference") for r in mine)

@@ -72,6 +72,15 @@ def test_class_ratios_decide_score_against_0_9x_the_reference_per_class():
     assert row["status"] == "undecided"
     assert rt.class_ratios(e, _records(ref, ref))[0]["status"] == "met"  # equal to the reference: 1 > 0.9
     assert rt.class_ratios(e, _records(ref, [0.0] * 100))[0]["status"] == "missed"
+    # a perfect method on a perfect reference: the same difference (1 - 0.9) on every item, nothing to resample —
+    # the discordance bound of a - ref (0 of 100 discordant) shifted by 0.1 decides it met
+    perfect = rt.class_ratios(e, _records([1.0] * 100, [1.0] * 100))[0]
+    assert perfect["status"] == "met" and perfect["margin"] == pytest.approx(0.1) and 0 < perfect["ci"][0] < 0.1
+    lost = rt.class_ratios(e, _records([1.0] * 100, [0.0] * 100))[0]  # every item lost: constant -1
+    assert lost["status"] == "missed" and lost["ci"][1] < 0
+    half = [1.0, 0.0] * 50  # a reference of exactly 0.5 is a class the target covers
+    assert [r["cell"] for r in rt.class_ratios(e, _records(half, half))] == ["niah_multikey@2048"]
+    assert rt.class_ratios(e, _records([1.0, 0.0, 0.0, 0.0] * 25, [1.0] * 100)) == []  # 0.25: not covered
 
 
 def test_missing_models_are_refused_with_the_fix(tmp_path, capsys):
@@ -120,7 +129,8 @@ def test_the_driver_scores_each_method_with_its_model_under_its_pattern(tmp_path
         else:
             _, want = score_item(loaded[model], tok, x, 8)
         assert doc["items"][1]["extra"][name]["reply"] == want["reply"][:120]
-    assert len({doc["items"][1]["extra"][m]["reply"] for m in e.methods}) > 2
+    own = doc["items"][1]["extra"]["rcla"]["reply"]  # sharing changes what the model says: the patterns are applied
+    assert any(doc["items"][1]["extra"][f"rcla:{r.label}"]["reply"] != own for r in rows)
     s = json.loads(out.read_text())["runs"][-1]["appendix"]["summary"]
     assert set(s["models"]) == {"rcla", "cla2"}
     assert set(s["models"]["rcla"]["patterns"]) == {r.label for r in rows}

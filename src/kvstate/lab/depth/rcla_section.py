@@ -81,8 +81,10 @@ def _table(art: Any, length: int) -> Table:
     fam = "; ".join(f"{name}: worst {m['worst'].split(':', 1)[1]} {m['worst_score']:.2f}, mean {m['mean']:.2f}"
                     for name, m in (s.get("models") or {}).items())
     pooled = run.get("pooled") or {}
-    return Table(f"Real model (SmolLM2-135M-Instruct, 30 layers) at {length:,} tokens: R-CLA and the CLA2 specialist "
-                 "under the declared keep-0.5 family, against the unmodified model (base)",
+    who = "R-CLA and the CLA2 specialist" if any(r["method"].startswith("cla2") for r in run.get("rows") or []) \
+        else "R-CLA"
+    return Table(f"Real model (SmolLM2-135M-Instruct, 30 layers) at {length:,} tokens: {who} under the declared "
+                 "keep-0.5 family, against the unmodified model (base)",
                  ["method", "task", "score [95%] (n)", "seed", "file"], rows,
                  f"Family over the tasks the unmodified model solves ({', '.join(pooled.get('tasks') or []) or 'none'}): "
                  f"{fam or '—'}. Patterns: keep@0.5 (CLA2's own: layer 2i+1 reads layer 2i), top_shared@0.5 "
@@ -91,9 +93,15 @@ def _table(art: Any, length: int) -> Table:
 
 
 def _decisions(art: Any) -> list[HeadlineRow]:
-    return [artifact_row(art, WHERE, d["label"], f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
-                         **headline_fields(d))
-            for d in art.run.get("decisions") or [] if d.get("value") is not None]
+    out = []
+    for d in art.run.get("decisions") or []:
+        if d.get("value") is None:  # nothing to pool (the reference solved no task): shown undecided, with why
+            out.append(artifact_row(art, WHERE, d["label"], f"— ({d.get('why') or 'nothing pooled'})",
+                                    **{**headline_fields(d), "status": "undecided"}))
+        else:
+            out.append(artifact_row(art, WHERE, d["label"], f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
+                                    **headline_fields(d)))
+    return out
 
 
 def _classes(art: Any, length: int) -> list[HeadlineRow]:

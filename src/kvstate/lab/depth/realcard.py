@@ -21,9 +21,13 @@ from pathlib import Path
 from kvstate.errors import KVStateError
 from kvstate.lab.depth import rcla_test
 from kvstate.lab.depth.realtrain import STATE, DepthFinetuneConfig
+from kvstate.lab.provenance import load_artifact
 from kvstate.lab.transfer import lora
 
 RESULTS = (Path("models/smollm2/depth_rcla_2048.json"), Path("models/smollm2/depth_rcla_4096.json"))
+# the settings `realtrain train` takes on its command line (the rest of DepthFinetuneConfig keeps its default there)
+CLI_FLAGS = ("pattern", "p", "rule", "anneal", "steps", "rows", "length", "lr", "reply_share", "ce_weight", "lm_share",
+             "seed", "rank", "save_every")
 WHAT = {
     "cla2": "the fixed specialist: every training forward runs the CLA2 pattern (each odd layer reads the even "
             "layer below it; 15 of 30 layers own K/V)",
@@ -50,8 +54,10 @@ def card(delta: Path, results: Sequence[Path] = RESULTS) -> str:
     model = rcla_test.MODELS[name]
     state = json.loads((delta / STATE).read_text())
     cfg = DepthFinetuneConfig(**state["config"])
-    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in state["config"].items()
-                    if v != DepthFinetuneConfig.__dataclass_fields__[k].default)
+    fields = DepthFinetuneConfig.__dataclass_fields__
+    changed = {k: v for k, v in state["config"].items() if v != fields[k].default}
+    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in changed.items() if k in CLI_FLAGS)
+    off_cli = ", ".join(f"{k}={v!r}" for k, v in changed.items() if k not in CLI_FLAGS)
     lines = [
         f"# {model.name} — SmolLM2-135M-Instruct fine-tuned for cross-layer KV sharing ({cfg.pattern})",
         "",
@@ -75,11 +81,12 @@ def card(delta: Path, results: Sequence[Path] = RESULTS) -> str:
         f"the reply weighted {cfg.reply_share:g} of a task row's KL, plus {cfg.ce_weight:g} x the reply's "
         f"cross-entropy. Data (seed {cfg.seed}, a dev seed): {1 - cfg.lm_share:.0%} of rows are the real-text "
         f"needle tasks in the model's own reply format, {cfg.lm_share:.0%} windows of the haystack's licence prose. "
-        "Replay (one part, resumable, deterministic rows and draws):",
+        "Replay (one part, resumable, deterministic rows and draws)" + (
+            f"; settings outside the command line, set them in `DepthFinetuneConfig`: {off_cli}:" if off_cli else ":"),
         "",
         "```",
         f"OMP_NUM_THREADS=1 python -m kvstate.lab.depth.realtrain train{flags} --out runs/depth/{name}",
-        f"python -m kvstate.lab.depth.realtrain export --run runs/depth/{name} --out {delta}",
+        f"python -m kvstate.lab.depth.realtrain export --run runs/depth/{name} --out {delta} --overwrite",
         "```",
         "",
         "| step | tokens | hours | lr | prompt KL | reply KL | reply CE |",
@@ -89,20 +96,27 @@ def card(delta: Path, results: Sequence[Path] = RESULTS) -> str:
     shown = curve[:: max(1, len(curve) // 12)]
     if curve and shown[-1] is not curve[-1]:
         shown.append(curve[-1])
+    def num(x: float | None) -> str:
+        return "—" if x is None else f"{x}"
+
     for pt in shown:
         lines.append(f"| {pt['step']} | {pt['tokens']:,} | {pt['seconds'] / 3600:.2f} | {pt['lr']:g} | "
-                     f"{pt['prompt_kl']} | {pt['reply_kl']} | {pt['reply_ce']} |")
+                     f"{num(pt['prompt_kl'])} | {num(pt['reply_kl'])} | {num(pt['reply_ce'])} |")
     lines += ["", "## Scored", ""]
     scored = False
     for path in results:
         if not path.is_file():
             continue
-        run = json.loads(path.read_text())["runs"][-1]
+        art = load_artifact(path, f"python -m kvstate.lab.depth.rcla_test (see {path})")
+        if art.run is None:
+            continue
+        run = art.run
         rows = [r for r in run["rows"] if r["method"].split(rcla_test.SEP)[0] in (name, rcla_test.BASE)]
         if not any(r["method"].split(rcla_test.SEP)[0] == name for r in rows):
             continue
         scored = True
-        lines += [f"`{path}` (the newest run, seed {rows[0]['seed']}; `base` is the unmodified model):", "",
+        stale = "" if art.status == "current" else f" — **{art.status}**: {art.reason}"
+        lines += [f"`{path}` (the newest run, seed {rows[0]['seed']}; `base` is the unmodified model){stale}:", "",
                   "| method | task | length | n | score [95% CI] |", "|---|---|---:|---:|---|"]
         for r in rows:
             lines.append(f"| {r['method']} | {r['task']} | {r['length']} | {r['n']} | {r['value']:.3f} "
