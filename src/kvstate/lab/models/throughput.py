@@ -4,8 +4,10 @@ Every later run on the real model is sized from these numbers (the brief: ~30x t
 One thread (the lab runs each job on one), fp32, batch 1. Prefill: one forward over ``L`` random token ids into
 an empty ``DynamicCache``. Decode: after that prefill, ``decode_tokens`` single-token forwards through the
 cache (what ``generate`` does per step, without sampling). Fine-tuning: one AdamW step (forward, backward,
-update) on ``train_length`` tokens. Every measurement is repeated ``repeats`` times, interleaved over the
-lengths (round r times every length before round r + 1), and reported as the median with its min / max.
+update) on ``train_length`` tokens, in fp32 and under ``torch.autocast("cpu", bfloat16)`` (the weights and the
+optimizer stay fp32; matmuls run in bf16 where the CPU has bf16 instructions), the two interleaved in every round.
+Every measurement is repeated ``repeats`` times, interleaved over the lengths (round r times every length before
+round r + 1), and reported as the median with its min / max.
 """
 
 from __future__ import annotations
@@ -56,21 +58,29 @@ def measure(model: Any, lengths: Sequence[int], *, decode_tokens: int = 32, repe
             if progress:
                 progress(f"round {r + 1}/{repeats}, {n:,} tokens: prefill {prefill[n][-1]:.2f} s, "
                          f"{decode_tokens} decode steps {decode[n][-1]:.2f} s")
-    train = []
+    train: list[float] = []
+    train_bf16: list[float] = []
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     batch = torch.randint(0, vocab, (1, train_length), generator=g)
-    for r in range(repeats):
-        def step() -> None:
-            opt.zero_grad(set_to_none=True)
-            model(batch, labels=batch).loss.backward()
-            opt.step()
 
-        train.append(_timed(step))
+    def step(bf16: bool) -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+
+    for r in range(repeats):
+        for bf16, into in ((False, train), (True, train_bf16)) if r % 2 == 0 else ((True, train_bf16), (False, train)):
+            into.append(_timed(lambda bf16=bf16: step(bf16)))
         if progress:
-            progress(f"round {r + 1}/{repeats}, fine-tuning step on {train_length} tokens: {train[-1]:.2f} s")
+            progress(f"round {r + 1}/{repeats}, fine-tuning step on {train_length} tokens: fp32 {train[-1]:.2f} s, "
+                     f"bf16 autocast {train_bf16[-1]:.2f} s")
     model.eval()
     return {"prefill": [{"length": n, **_summary(n, prefill[n])} for n in lengths],
             "decode": [{"context": n, "new_tokens": decode_tokens, **_summary(decode_tokens, decode[n])}
                        for n in lengths],
-            "train": {"length": train_length, "optimizer": "AdamW", **_summary(train_length, train)}}
+            "train": {"length": train_length, "optimizer": "AdamW", **_summary(train_length, train)},
+            "train_bf16_autocast": {"length": train_length, "optimizer": "AdamW",
+                                    **_summary(train_length, train_bf16)}}
