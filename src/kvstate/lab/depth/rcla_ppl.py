@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvstate.depth.attention import layer_specs
     from kvstate.lab.depth import real_ppl
     from kvstate.lab.experiment import check_out, items, run_items
-    from kvstate.lab.models.cli import REAL_MODEL, missing_hint
+    from kvstate.lab.models.cli import REAL_MODEL
     from kvstate.models.loading import load_config, load_model, load_tokenizer
 
     ap = argparse.ArgumentParser(prog="python -m kvstate.lab.depth.rcla_ppl", description=__doc__.split("\n\n")[0])
@@ -97,12 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"depth-rcla-ppl: {m}", file=sys.stderr, flush=True)
 
     models = {rcla_test.RCLA: a.rcla, rcla_test.CLA2: a.cla2}
-    for path in (a.base, *models.values()):
-        if not (path / "config.json").is_file():
-            hint = missing_hint(a.base) if path == a.base else "run make setup (it builds the depth models from " \
-                "their committed deltas)"
-            print(f"error: {path} holds no model: {hint}", file=sys.stderr)
-            return 2
+    missing = rcla_test.missing_model(a.base, models.values())
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         rows = rcla_test.declared_family(layer_specs(load_config(a.base)))
         e = experiment(rows, a.seed, a.n, a.base, models)

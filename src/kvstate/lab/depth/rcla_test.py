@@ -44,7 +44,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,13 +258,25 @@ def print_summary(doc: Mapping[str, Any], say: Callable[[str], None]) -> None:
             if d["value"] is not None else f"{d['status']:<9} {d['label']}")
 
 
+def missing_model(base: Path, fine_tunes: Iterable[Path]) -> str:
+    """The first model directory that holds no model, with its fix ("" when every one is there)."""
+    from kvstate.lab.models.cli import missing_hint
+
+    for path in (base, *fine_tunes):
+        if not (path / "config.json").is_file():
+            hint = missing_hint(base) if path == base else "run make setup (it builds the depth models from their " \
+                "committed deltas)"
+            return f"{path} holds no model: {hint}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
 
     from kvstate.depth.attention import layer_specs
     from kvstate.lab.experiment import check_out, items, run_items
     from kvstate.lab.lists import parse_names
-    from kvstate.lab.models.cli import REAL_MODEL, missing_hint
+    from kvstate.lab.models.cli import REAL_MODEL
     from kvstate.lab.workloads import realtext as rt
     from kvstate.models.loading import load_config, load_model, load_tokenizer
 
@@ -286,12 +298,10 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = PLANS[a.length]
     paths = {RCLA: a.rcla, **({CLA2: a.cla2} if plan.specialist else {})}
-    for path in (a.base, *paths.values()):
-        if not (path / "config.json").is_file():
-            hint = missing_hint(a.base) if path == a.base else "run make setup (it builds the depth models from " \
-                "their committed deltas)"
-            print(f"error: {path} holds no model: {hint}", file=sys.stderr)
-            return 2
+    missing = missing_model(a.base, paths.values())
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         tasks = parse_names(a.task, "--task", list(rt.TASKS))
         rows = declared_family(layer_specs(load_config(a.base)))
