@@ -45,6 +45,7 @@ def test_the_card_reads_the_record_and_only_its_models_newest_scores(tmp_path, m
     assert "train --pattern cla2 --steps 600 --out runs/depth/cla2" in text  # the non-default settings, replayable
     assert "export --run runs/depth/cla2 --out" in text and text.count("--overwrite") >= 1
     assert "outside the command line" not in text
+    assert "cannot be replayed by `kvstate lab retrain`" in text  # what the reproducibility guard reads
     table = [ln for ln in text.splitlines() if ln.startswith("| ") and "niah_single" in ln]
     assert [ln.split(" | ")[0][2:] for ln in table] == ["base", "cla2:keep@0.5", "cla2:top_shared@0.5"]
     assert "0.970 [0.920, 0.990]" in text and "seed 1069" in text  # the newest run, not the first

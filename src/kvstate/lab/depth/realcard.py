@@ -81,7 +81,8 @@ def card(delta: Path, results: Sequence[Path] = RESULTS) -> str:
         f"the reply weighted {cfg.reply_share:g} of a task row's KL, plus {cfg.ce_weight:g} x the reply's "
         f"cross-entropy. Data (seed {cfg.seed}, a dev seed): {1 - cfg.lm_share:.0%} of rows are the real-text "
         f"needle tasks in the model's own reply format, {cfg.lm_share:.0%} windows of the haystack's licence prose. "
-        "Replay (one part, resumable, deterministic rows and draws)" + (
+        "This run cannot be replayed by `kvstate lab retrain` (which replays `kvstate train` runs); the command "
+        "below replays it (one part, resumable, deterministic rows and draws)" + (
             f"; settings outside the command line, set them in `DepthFinetuneConfig`: {off_cli}:" if off_cli else ":"),
         "",
         "```",
