@@ -585,3 +585,11 @@ class SparsePrefixCache:
         _, tokens = self._tokens(input_ids, None)
         with self._lock:
             return self.store.lookup(tokens, full_state)
+
+    def computed_tokens(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens a request for ``token_ids`` would restore instead of computing (served with its own
+        decode loop, ``full_state=True``): the scheduler's one question to the prefix cache before it admits a
+        request (vLLM's ``get_computed_blocks``). Nothing is computed, recorded or pinned."""
+        if not token_ids:
+            return 0
+        return int(self.lookup(torch.tensor([list(token_ids)], device=self._device), full_state=True).position)

@@ -33,8 +33,13 @@ def serve_command(
                                                          "$KVSTATE_REMOTE_KEY, else the tier is trusted as is.")] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, max=1024, help="Requests decoded together "
                                            "(continuous batching).")] = 8,
-    max_tokens_per_step: Annotated[int, typer.Option("--max-tokens-per-step", min=1, help="Prompt tokens prefilled "
-                                                     "between two decode steps of the running batch.")] = 512,
+    max_tokens_per_step: Annotated[int, typer.Option("--max-tokens-per-step", min=1, help="Prompt tokens a step "
+                                                     "prefills (one forward call, beside one decode step of the "
+                                                     "running batch).")] = 512,
+    max_prefill_while_decoding: Annotated[int | None, typer.Option(
+        "--max-prefill-while-decoding", min=1, help="Prompt tokens per step of a prefill that starts while other "
+        "requests decode (Sarathi-Serve's stall-free budget: smaller keeps their inter-token latency down, larger "
+        "gets the new request's first token sooner); default: --max-tokens-per-step.")] = None,
     max_preparing: Annotated[int, typer.Option("--max-preparing", min=1, max=1024, help="Requests tokenized at once "
                                                "(each holds up to its prompt's tokens); more wait, counted in "
                                                "--max-queue.")] = 2,
@@ -72,7 +77,7 @@ def serve_command(
         remote=remote,
         max_body_bytes=max_body_bytes,
         remote_key_file=None if remote_key_file is None else str(remote_key_file),
-        policy=BatchPolicy(policy, max_batch, max_tokens_per_step),
+        policy=BatchPolicy(policy, max_batch, max_tokens_per_step, max_prefill_while_decoding),
         max_preparing=max_preparing,
         shutdown_grace_s=shutdown_grace,
         grid=GridConfig(block=grid_block, budget_share=grid_budget_share),

@@ -23,7 +23,7 @@ Runs on the server's worker thread: the model and the cache are used from that t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,6 +195,10 @@ class Generator:
         """Feed ``ids`` at positions ``start..``; the last position's logits ``(1, V)`` (the one decode step,
         :func:`kvstate.models.decode.forward_at`)."""
         return forward_at(self.model, cache, ids, start, last_only=True, device=self.device)
+
+    def cached_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens the prefix cache would restore for this prompt (0 without a cache)."""
+        return 0 if self.cache is None else int(self.cache.computed_tokens(prompt_ids))
 
     def begin(self, req: GenerationRequest, emit: Callable[[Delta], None], cancelled: Callable[[], bool]) -> Decoding:
         return Decoding(self, req, emit, cancelled)

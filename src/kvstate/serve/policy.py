@@ -9,15 +9,19 @@ tokens :meth:`SparsePrefixCache.lookup` says it would resume from) and its arriv
 - ``longest-prefix``: the request that would reuse the most cached tokens first, ties by arrival (SGLang's
   ``lpm`` policy: requests that share a prefix run while it is still stored).
 
-Both respect the same bounds: at most ``max_batch`` requests decode together, and a prefill runs in
-chunks of at most ``max_tokens_per_step`` tokens, with one decode step of the running batch between
-chunks, so a long prompt delays the others' next token by one chunk's compute at most. Ignores:
-priorities, preemption (a running request is never swapped out), fairness between clients.
+Both respect the same bounds: at most ``max_batch`` requests run together (prefilling or decoding), and a
+prefill runs in forward calls of at most ``max_tokens_per_step`` prompt tokens, one per step of the
+running batch. A prefill that starts while other requests decode runs in calls of at most
+``max_prefill_while_decoding`` tokens instead (Sarathi-Serve's stall-free budget: "Taming Throughput-Latency
+Tradeoff in LLM Inference with Sarathi-Serve", Agrawal et al., OSDI 2024), so a long prompt delays the
+others' next token by one such chunk's compute at most. :func:`plan_step` turns the bounds into each step's
+plan (:class:`StepPlan`), which the runner executes. Ignores: priorities, preemption (a running request is
+never swapped out), fairness between clients, several prefills in one step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from kvstate.errors import KVStateError
@@ -58,15 +62,26 @@ POLICIES: dict[str, Admission] = {
 class BatchPolicy:
     name: str = "fifo"  # a key of POLICIES
     max_batch: int = 8  # requests decoding together
-    max_tokens_per_step: int = 512  # prompt tokens computed between two decode steps of the running batch
+    max_tokens_per_step: int = 512  # prompt tokens one step computes (one forward call) when nothing decodes
+    # prompt tokens per step of a prefill that starts while requests decode; None: max_tokens_per_step
+    max_prefill_while_decoding: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise KVStateError(f"policy {self.name!r} is not one of {sorted(POLICIES)}")
         for field, value, hi in (("max_batch", self.max_batch, 1024), ("max_tokens_per_step", self.max_tokens_per_step,
-                                                                     1 << 20)):
+                                                                     1 << 20),
+                                 ("max_prefill_while_decoding", self.max_prefill_while_decoding, 1 << 20)):
+            if field == "max_prefill_while_decoding" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
                 raise KVStateError(f"{field}={value!r} must be an int in 1..{hi}")
+
+    def chunk(self, decoding: bool) -> int:
+        """Prompt tokens per forward call of a prefill that starts now (``decoding``: other requests decode)."""
+        if decoding and self.max_prefill_while_decoding is not None:
+            return min(self.max_prefill_while_decoding, self.max_tokens_per_step)
+        return self.max_tokens_per_step
 
     def admit(self, waiting: Sequence[Waiting], running: int) -> list[Waiting]:
         """The waiting requests to admit now, in the order to prefill them (none when the batch is full)."""
@@ -79,3 +94,23 @@ class BatchPolicy:
     def reads_cache(self) -> bool:
         """Whether admission reads how many prompt tokens the prefix cache would restore."""
         return POLICIES[self.name].reads_cache
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step runs, decided by the scheduler and executed by the runner: one decode forward over
+    ``decode`` (one token per row), then one forward call of ``prefill``'s prompt (at most the chunk it
+    started with). An empty plan: nothing to run."""
+
+    decode: tuple[Hashable, ...] = ()
+    prefill: Hashable | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and self.prefill is None
+
+
+def plan_step(decoding: Sequence[Hashable], prefilling: Sequence[Hashable]) -> StepPlan:
+    """The next step: every decoding row, and the first prefill in line (prefills run one at a time, in the
+    order they were admitted, so the first admitted request gets its first token first)."""
+    return StepPlan(tuple(decoding), prefilling[0] if prefilling else None)

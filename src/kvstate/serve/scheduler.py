@@ -1,17 +1,22 @@
-"""Continuous batching: a bounded queue in front of one worker thread that owns the model and decodes a batch.
+"""Continuous batching: a bounded queue in front of one worker thread that schedules and runs a batch.
 
 Continuous batching as in Orca ("Orca: A Distributed Serving System for Transformer-Based Generative
 Models", OSDI 2022) and vLLM's scheduler, over a hybrid model with the sparse prefix cache under it:
 requests wait in a queue of at most ``max_queue`` beyond the batch's free rows (one more is refused at
-once, :class:`QueueFull`, answered 503). Between decode steps the worker asks the policy (:class:`~kvstate.serve.policy.BatchPolicy`:
-FIFO or longest-prefix-hit first, ``max_batch``) which waiting requests to admit, showing it each
-prompt and its prefix-cache hit. An admitted request is prefilled through the prefix cache (resume from
-its checkpoint + KV, compute the rest) in chunks of at most ``max_tokens_per_step`` tokens, with one
-decode step of the running batch after each chunk, so a long prompt delays the others by one chunk at a
-time; then it joins the :class:`~kvstate.serve.batching.DecodeBatch` (attention KV left-padded with
-per-row positions and masks, recurrent and conv states stacked per row). Every step decodes one token per
-row in one forward call; a row whose reply ended, or whose client went away, leaves the batch before the
-next step, and a finished reply goes into the prefix cache. One thread does all of it, so the prefix
+once, :class:`QueueFull`, answered 503). Each step the worker asks the policy
+(:class:`~kvstate.serve.policy.BatchPolicy`: FIFO or longest-prefix-hit first, ``max_batch``) which waiting
+requests to admit, showing it each prompt and its prefix-cache hit (one explicit question,
+:meth:`Generator.cached_tokens`), plans the step (:func:`~kvstate.serve.policy.plan_step`: every decoding row,
+and one forward call of the first prefill in line) and hands the plan to the runner
+(:class:`~kvstate.serve.runner.Runner`), which executes it and owns the model's state: the scheduler decides,
+the runner executes, nothing calls back. An admitted request is prefilled through the prefix cache (resume
+from its checkpoint + KV, compute the rest) in calls of at most ``max_tokens_per_step`` tokens, or of
+``max_prefill_while_decoding`` when it starts while others decode, so a long prompt delays the others by one
+chunk at a time; then it joins the :class:`~kvstate.serve.batching.DecodeBatch` (attention KV left-padded
+with per-row positions and masks, recurrent and conv states stacked per row). Every step decodes one token
+per row in one forward call; a row whose reply ended, or whose client went away, leaves the batch before the
+next step, and a finished reply goes into the prefix cache; a request whose client goes away mid-prefill is
+aborted inside the prefix cache (the store as if it never came). One thread drives the model, so the prefix
 store has one writer; what a prefill resumes from stays pinned until that prefill ends.
 
 Events on :attr:`Job.events`: ``("delta", Delta)``, then one of ``("done", Generation)``, ``("error",
@@ -34,12 +39,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from kvstate.errors import KVStateError
-from kvstate.serve.batching import BatchBytes, BatchConfig, DecodeBatch
-from kvstate.serve.generation import Decoding, Generation, GenerationRequest, Generator
-from kvstate.serve.policy import BatchPolicy, Waiting
+from kvstate.serve.batching import BatchBytes, DecodeBatch
+from kvstate.serve.generation import Decoding, Generation, GenerationRequest, Generator, Prefilled
+from kvstate.serve.policy import BatchPolicy, StepPlan, Waiting, plan_step
+from kvstate.serve.runner import Runner
 
 IDLE_WAIT_S = 0.05  # how long an idle worker sleeps before looking at the queue again (a submit wakes it)
 
@@ -96,10 +100,12 @@ class Scheduler:
         self._order = itertools.count()
         self._deadline: float | None = None  # set by close(): the monotonic time the running requests end at
         self._grace = 0.0
-        self._rows: dict[int, tuple[Job, Decoding]] = {}  # the running batch's requests, by job order
-        self._batch = None if generator is None else DecodeBatch(generator.model, BatchConfig(self.policy.max_batch))
+        self._rows: dict[int, tuple[Job, Decoding]] = {}  # the decode batch's requests, by job order
+        self._prefilling: dict[int, tuple[Job, Decoding]] = {}  # requests the runner is prefilling, by job order
+        self._runner = None if generator is None else Runner(generator, self.policy.max_batch)
         self.running = 0  # requests being generated now (prefilling or in the batch)
         self.steps = 0  # decode steps run (each one forward call over the batch)
+        self.prefill_calls = 0  # prefill forward calls run by steps (each at most its request's chunk)
 
     @property
     def depth(self) -> int:
@@ -111,11 +117,16 @@ class Scheduler:
     def batch_bytes(self) -> BatchBytes:
         """Bytes the running decode batch holds for its requests, as measured after its last change (a request
         being prefilled is not in it yet)."""
-        return BatchBytes() if self._batch is None else self._batch.held
+        return BatchBytes() if self._runner is None else self._runner.held
 
     @property
     def batch_peak_bytes(self) -> int:
-        return 0 if self._batch is None else self._batch.peak_bytes
+        return 0 if self._runner is None else self._runner.batch.peak_bytes
+
+    @property
+    def _batch(self) -> DecodeBatch | None:
+        """The runner's decode batch (tests and ``/metrics`` read it)."""
+        return None if self._runner is None else self._runner.batch
 
     @property
     def closing(self) -> bool:
@@ -161,10 +172,13 @@ class Scheduler:
         gone = ShuttingDown("the server is shutting down; retry against a running server")
         with self._cond:
             waiting, self._waiting = self._waiting, []
-        for job in waiting + [j for j, _ in self._rows.values()]:
+        if self._runner is not None:
+            self._runner.close()
+        for job in waiting + [j for j, _ in self._rows.values()] + [j for j, _ in self._prefilling.values()]:
             job.post("error", gone)
             job.finished.set()
         self._rows.clear()
+        self._prefilling.clear()
 
     def _room(self) -> int:
         """Requests that may still wait: ``max_queue`` beyond the batch's free rows. A request the batch can
@@ -209,39 +223,48 @@ class Scheduler:
         while not self._stop.is_set():
             if self._overdue():
                 self._end_overdue()
-            admitted = self._admit()
-            if admitted:
-                for job in admitted:
-                    self._start(job)
-            elif self._rows:
-                self._step()
+            for job in self._admit():
+                self._start(job)
+            self._drop_cancelled()
+            plan = plan_step(tuple(self._rows), self._runner.prefilling if self._runner is not None else ())
+            if not plan.empty:
+                self._execute(plan)
             else:
                 with self._cond:
                     if not self._waiting and not self._stop.is_set():
                         self._cond.wait(IDLE_WAIT_S)
 
     def _end_overdue(self) -> None:
-        """Past the shutdown deadline: the queued requests fail, the running replies end with finish_reason
-        ``"abort"`` (nothing of them goes into the prefix cache)."""
+        """Past the shutdown deadline: the queued requests fail, a prefill in progress ends with finish_reason
+        ``"abort"`` (its transaction aborted), the running replies end with ``"abort"`` (nothing of them goes
+        into the prefix cache)."""
+        assert self._runner is not None
         with self._cond:
             waiting, self._waiting = self._waiting, []
         for job in waiting:
             self._end(job, "error", self._gone(), outcome="shutdown")
+        for order in self._runner.prefilling:
+            job, d = self._prefilling.pop(order)
+            self._runner.cancel_prefill(order)
+            d.finish = ABORT
+            self._done(job, d, None)
         for rid, (_, d) in list(self._rows.items()):
             d.finish = ABORT
             self._leave(rid, keep_cache=False)
 
     def _admit(self) -> list[Job]:
-        """The waiting requests the policy admits now (taken off the queue), in prefill order."""
+        """The waiting requests the policy admits now (taken off the queue), in prefill order. Requests being
+        prefilled count against ``max_batch`` like the decoding ones."""
         with self._cond:
             if not self._waiting:
                 return []
             waiting = list(self._waiting)
-        if len(self._rows) >= self.policy.max_batch:
+        running = len(self._rows) + len(self._prefilling)
+        if running >= self.policy.max_batch:
             return []
         seen = [Waiting(j.order, len(j.request.prompt_ids), self._cached(j)) for j in waiting]
         by_order = {j.order: j for j in waiting}
-        picked = [by_order[w.order] for w in self.policy.admit(seen, len(self._rows))]
+        picked = [by_order[w.order] for w in self.policy.admit(seen, running)]
         chosen = {j.order for j in picked}
         with self._cond:  # waiting → running in one step: the queue's room never counts a request twice
             self._waiting = [j for j in self._waiting if j.order not in chosen]
@@ -250,14 +273,13 @@ class Scheduler:
 
     def _cached(self, job: Job) -> int:
         """Prompt tokens the prefix cache would restore for ``job`` (only a policy that reads the cache asks)."""
-        if not self.policy.reads_cache or self.gen is None or self.gen.cache is None:
+        if not self.policy.reads_cache or self.gen is None:
             return 0
-        ids = torch.tensor([job.request.prompt_ids], device=self.gen.device)
-        return int(self.gen.cache.lookup(ids, full_state=True).position)
+        return self.gen.cached_tokens(job.request.prompt_ids)
 
     def _start(self, job: Job) -> None:
-        """Prefill ``job`` (decoding the running batch between its chunks) and add it to the batch."""
-        assert self.gen is not None and self._batch is not None
+        """Hand ``job``'s prefill to the runner, in chunks the policy sizes by whether requests decode now."""
+        assert self.gen is not None and self._runner is not None
         if job.cancelled or self._overdue():
             self.running -= 1
             if job.cancelled:
@@ -267,54 +289,75 @@ class Scheduler:
             return
         try:
             d = self.gen.begin(job.request, lambda delta: job.post("delta", delta), lambda: job.cancelled)
-            p = self.gen.prefill(d, chunk=self.policy.max_tokens_per_step, between=self._step)
-            if self._overdue():  # the deadline passed during this prefill: nothing more is decoded
-                d.finish = ABORT
-                self._done(job, d, None)
-                return
-            if not d.take(p.logits):
-                self._done(job, d, p.cache)
-                return
-            self._batch.add(job.order, p.cache, d.covered)
+            self._runner.start_prefill(job.order, d, self.policy.chunk(decoding=bool(self._rows)))
         except Exception as exc:  # this request fails; the worker keeps serving the others
             self.running -= 1
             self._end(job, "error", exc)
             return
-        self._rows[job.order] = (job, d)
+        self._prefilling[job.order] = (job, d)
 
-    def _step(self) -> None:
-        """One decode step of the running batch: one token per row; rows that ended leave the batch."""
-        assert self._batch is not None
-        if self._overdue():  # also between a long prompt's prefill chunks
-            self._end_overdue()
-            return
+    def _drop_cancelled(self) -> None:
+        """Requests whose client went away leave before the next step: no forward pass runs for them; a
+        prefill in progress is aborted inside the prefix cache (the store is as if it never came)."""
+        assert self._runner is not None
+        for order, (job, _) in list(self._prefilling.items()):
+            if job.cancelled:
+                del self._prefilling[order]
+                self._runner.cancel_prefill(order)
+                self.running -= 1
+                self._end(job, "cancelled", None)
         for rid, (job, d) in list(self._rows.items()):
-            if job.cancelled:  # leaves at once: no forward pass for a client that went away
+            if job.cancelled:
                 d.finish = "cancelled"
                 self._leave(rid, keep_cache=False)
-        if not self._rows:
-            return
-        try:
-            logits = self._batch.step({rid: d.next_token for rid, (_, d) in self._rows.items()})
-        except Exception as exc:  # the batch's state is unusable: fail its requests, keep serving
-            for rid in list(self._rows):
+
+    def _execute(self, plan: StepPlan) -> None:
+        """Have the runner execute ``plan``, then sample each decoded row's token and move a finished prefill
+        into the batch."""
+        assert self._runner is not None
+        res = self._runner.execute(plan, {rid: d.next_token for rid, (_, d) in self._rows.items()})
+        if res.decode_error is not None:  # the batch's state is unusable: fail its requests, keep serving
+            for rid in plan.decode:
                 job, _ = self._rows.pop(rid)
-                self._batch.remove(rid)
+                self._runner.leave(rid, keep_cache=False)
                 self.running -= 1
-                self._end(job, "error", exc)
+                self._end(job, "error", res.decode_error)
+        elif res.logits is not None:
+            self.steps += 1
+            for rid in plan.decode:
+                _, d = self._rows[rid]
+                d.covered += 1
+                if not d.take(res.logits[rid]):
+                    self._leave(rid, keep_cache=d.finish != "cancelled")
+        if plan.prefill is not None:
+            self.prefill_calls += res.prefill_calls
+            if res.prefill_error is not None:
+                job, _ = self._prefilling.pop(plan.prefill)
+                self.running -= 1
+                self._end(job, "error", res.prefill_error)
+            elif res.prefilled is not None:
+                self._joined(plan.prefill, res.prefilled)
+
+    def _joined(self, order: int, p: Prefilled) -> None:
+        """A prefill ended: its first token; the request joins the decode batch unless its reply is over."""
+        assert self._runner is not None
+        job, d = self._prefilling.pop(order)
+        try:
+            if not d.take(p.logits):
+                self._done(job, d, p.cache)
+                return
+            self._runner.join(order, p.cache, d.covered)
+        except Exception as exc:
+            self.running -= 1
+            self._end(job, "error", exc)
             return
-        self.steps += 1
-        for rid, (_, d) in list(self._rows.items()):
-            d.covered += 1
-            if not d.take(logits[rid]):
-                self._leave(rid, keep_cache=d.finish != "cancelled")
+        self._rows[order] = (job, d)
 
     def _leave(self, rid: int, keep_cache: bool) -> None:
-        assert self._batch is not None
+        assert self._runner is not None
         job, d = self._rows.pop(rid)
-        cache = self._batch.cache_of(rid) if keep_cache and self.gen is not None and self.gen.cache is not None else None
-        self._batch.remove(rid)
-        self._done(job, d, cache)
+        keep = keep_cache and self.gen is not None and self.gen.cache is not None
+        self._done(job, d, self._runner.leave(rid, keep_cache=keep))
 
     def _done(self, job: Job, d: Decoding, cache: Any) -> None:
         assert self.gen is not None

@@ -207,3 +207,97 @@ def test_a_request_the_batch_can_take_is_never_refused_as_queue_full() -> None:
 
     asyncio.run(main())
     assert scheduler.depth == 4
+
+
+def test_a_prefill_that_starts_while_others_decode_runs_in_the_smaller_chunks() -> None:
+    model, tok = _model("qwen3_5")
+    gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
+    short = GenerationRequest(_ids(6, 7, 128), max_tokens=12, sampling=GREEDY)
+    long = GenerationRequest(_ids(120, 8, 128), max_tokens=3, sampling=GREEDY)
+    chunks: dict[int, int | None] = {}
+    prefill = gen.prefill
+
+    def watched(d, chunk=None, between=None):  # type: ignore[no-untyped-def]
+        chunks[len(d.req.prompt_ids)] = chunk
+        return prefill(d, chunk=chunk, between=between)
+
+    gen.prefill = watched  # type: ignore[method-assign]
+    scheduler = Scheduler(16, gen, BatchPolicy(max_batch=4, max_tokens_per_step=64, max_prefill_while_decoding=8))
+
+    async def main() -> list[Generation | None]:
+        scheduler.start()
+        try:
+            first = scheduler.submit(short)
+            kind, _ = await asyncio.wait_for(first.events.get(), timeout=120)  # the short reply decodes now
+            assert kind == "delta"
+            second = scheduler.submit(long)
+
+            async def rest(job: Any) -> Generation:
+                while True:
+                    kind, payload = await asyncio.wait_for(job.events.get(), timeout=120)
+                    if kind == "done":
+                        return payload  # type: ignore[no-any-return]
+                    if kind != "delta":
+                        raise AssertionError(f"{kind}: {payload}")
+
+            return list(await asyncio.gather(rest(first), rest(second)))
+        finally:
+            scheduler.stop()
+
+    out = asyncio.run(main())
+    assert chunks == {6: 64, 120: 8}  # started alone: the step budget; started beside a decode: the smaller one
+    assert scheduler.prefill_calls >= 120 // 8  # one call of at most 8 tokens per step (plus the short's one)
+    alone = _alone(Generator(model, tok, None), [short, long])
+    for b, a in zip(out, alone, strict=True):
+        _same(b, a)
+
+
+def test_a_request_cancelled_mid_prefill_leaves_the_store_as_if_it_never_came() -> None:
+    model, tok = _model("qwen3_5")
+    requests = _requests(128)
+    cache = SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8)
+    gen = Generator(model, tok, cache)
+    long = GenerationRequest(_ids(120, 9, 128), max_tokens=3, sampling=GREEDY)
+    jobs: list[Any] = []
+    prefill = gen.prefill
+    calls: list[int] = []
+
+    def watched(d, chunk=None, between=None):  # type: ignore[no-untyped-def]
+        def counted() -> None:
+            calls.append(len(d.req.prompt_ids))
+            if calls.count(120) == 2:
+                jobs[-1].cancel()  # the client goes away after its prompt's first two chunks
+            between()
+        return prefill(d, chunk=chunk, between=counted if between is not None else None)
+
+    gen.prefill = watched  # type: ignore[method-assign]
+    scheduler = Scheduler(16, gen, BatchPolicy(max_batch=4, max_tokens_per_step=16))
+
+    async def main() -> list[Generation | None]:
+        scheduler.start()
+        try:
+            jobs.append(scheduler.submit(long))
+            kind, _ = await asyncio.wait_for(jobs[-1].events.get(), timeout=120)
+            assert kind == "cancelled"
+            return await _serve(scheduler, requests)  # the server goes on as before
+        finally:
+            scheduler.stop()
+
+    out = asyncio.run(main())
+    assert calls.count(120) == 2 and scheduler.running == 0  # 2 of its 8 chunks ran, then it was aborted
+    assert cache.lookup(torch.tensor([long.prompt_ids])).position == 0  # nothing of it was stored
+    assert all(v.pins == 0 for v in cache.store.nodes())  # nothing it touched stays pinned
+    alone = _alone(Generator(model, tok, None), requests)
+    for b, a in zip(out, alone, strict=True):
+        _same(b, a)
+
+
+def test_the_scheduler_asks_the_prefix_cache_one_explicit_question() -> None:
+    model, tok = _model("qwen3_5")
+    requests = _requests(128)
+    gen = Generator(model, tok, SparsePrefixCache(model, 64 * MiB, slots_per_entry=2, align=8))
+    assert gen.cached_tokens(requests[0].prompt_ids) == 0
+    gen.run(GenerationRequest((*requests[0].prompt_ids[:40], 11), 1), lambda _: None, lambda: False)
+    hit = gen.cache.lookup(torch.tensor([requests[0].prompt_ids]), full_state=True).position
+    assert gen.cached_tokens(requests[0].prompt_ids) == hit > 0
+    assert Generator(model, tok, None).cached_tokens(requests[0].prompt_ids) == 0
