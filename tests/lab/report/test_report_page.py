@@ -297,3 +297,40 @@ def test_a_stale_files_recorded_decision_counts_toward_the_verdict_and_is_said_t
     assert v["best"]["measured"] == "1.0 pp" and v["best"]["status"] == "met"
     page = render([Section("a", "A", headline=[row, missing], axis="depth")])
     assert "1 without a decision (stale or missing), 1 read from stale files" in page
+
+
+def test_the_verdict_line_names_the_axis_claim_first_then_the_best_and_the_worst_row():
+    from kvstate.lab.report.html import run_row, verdicts
+
+    easy = run_row("d", "perplexity <= 1.03x", "1.02x", status="met", ci=(1.01, 1.03))
+    claim = run_row("d", "worst pattern >= 0.9x the unmodified model at 2048", "0.55x", status="missed",
+                    ci=(0.45, 0.65))
+    other = run_row("d", "decode tokens/s >= keep 1's", "0.98x", status="undecided", ci=(0.9, 1.05))
+    s = Section("depth", "D", headline=[easy, claim, other], axis="depth", claim=("worst pattern >= 0.9x",))
+    (v,) = verdicts([s])
+    assert [c["target"] for c in v["claim"]] == [claim.target] and v["claim"][0]["status"] == "missed"
+    assert v["best"]["target"] == easy.target and v["worst"]["target"] == claim.target
+    page = render([s])
+    line = page[page.index("id='verdicts'"):page.index("</ul>")]
+    assert line.index("claim: worst pattern") < line.index("best: perplexity") < line.index("worst: worst pattern")
+    (none,) = verdicts([Section("depth", "D", headline=[easy], axis="depth", claim=("not a target here",))])
+    assert none["claim"] is None
+    assert "claim: no row states it yet" in render([Section("depth", "D", headline=[easy], axis="depth",
+                                                            claim=("not a target here",))])
+    at_4k = run_row("d", "worst pattern >= 0.9x the unmodified model at 4096", "0.95x", status="met", ci=(0.9, 1.0))
+    page = render([Section("depth", "D", headline=[easy, at_4k, claim], axis="depth", claim=("worst pattern",))])
+    assert "claim: 2 rows (1 missed, 1 met), the worst worst pattern &gt;= 0.9x the unmodified model at 2048" in page
+
+
+def test_every_axis_claim_names_a_target_the_lab_writes():
+    """A claim is matched by target text: renaming the target without the claim would silently drop it."""
+    from pathlib import Path
+
+    from kvstate.lab.make.build import AXIS_OF, CLAIMS
+
+    src = "\n".join(p.read_text() for p in (Path(__file__).resolve().parents[3] / "src" / "kvstate" / "lab").rglob(
+        "*.py") if p.name != "build.py")
+    assert set(CLAIMS) == set(AXIS_OF.values())
+    for axis, needles in CLAIMS.items():
+        # a "[pair] " tag is put before a section's target text where it is built
+        assert needles and all(n.split("] ", 1)[-1] in src for n in needles), axis

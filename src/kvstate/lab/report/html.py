@@ -220,6 +220,7 @@ class Section:
     details: list[Table] = field(default_factory=list)  # full long-format data, collapsed
     seconds: float | None = None  # wall time of the section's build (filled in by the report builder)
     axis: str = ""  # the axis it belongs to, for the verdicts at the top (set by the report builder)
+    claim: tuple[str, ...] = ()  # its axis's claim: a row whose target contains one of these states it
 
 
 def pct(x: float | None, digits: int = 1) -> str:
@@ -333,9 +334,26 @@ def _best(rows: Sequence[HeadlineRow]) -> HeadlineRow | None:
     return None
 
 
+def _worst(rows: Sequence[HeadlineRow]) -> HeadlineRow | None:
+    """The row a verdict warns with: a missed row with an interval, else any missed row, else an undecided one."""
+    for pick in (lambda r: _effective(r) == "missed" and r.ci is not None, lambda r: _effective(r) == "missed",
+                 lambda r: _effective(r) == "undecided"):
+        for r in rows:
+            if pick(r):
+                return r
+    return None
+
+
+def _quoted(r: HeadlineRow | None) -> dict[str, Any] | None:
+    return None if r is None else {"target": r.target, "measured": r.measured.split(" [stale:")[0], "ci": r.ci,
+                                   "status": _effective(r)}
+
+
 def verdicts(sections: Sequence[Section]) -> list[dict[str, Any]]:
     """One verdict per axis from its result rows: ``works`` (every target met), ``partly`` (some met),
-    ``not yet`` (none met), with the number it rests on (:func:`_best`) and the counts.
+    ``not yet`` (none met), with the axis's claim (the rows its sections' ``claim`` names, and their status;
+    ``None`` when no row states it), then the best (:func:`_best`) and the worst (:func:`_worst`) row, and the
+    counts.
 
     A row read from a stale file counts with the status its recorded numbers decide (``recorded``), and the
     verdict says how many rows rest on stale files: the reader sees both the verdict and how current it is.
@@ -351,14 +369,33 @@ def verdicts(sections: Sequence[Section]) -> list[dict[str, Any]]:
         decided = len(statuses)
         verdict = "works" if decided and met == decided else "partly" if met else "not yet"
         best = _best([r for _, r in pairs])
-        key = next((s.key for s, r in pairs if r is best), "")
+        worst = _worst([r for _, r in pairs])
+        claims = [r for s, r in pairs if any(c in r.target for c in s.claim)]
+        key = next((s.key for s, r in pairs if r is (claims[0] if claims else best)), "")
         out.append({"axis": axis, "verdict": verdict, "met": met, "targets": decided,
                     "missed": statuses.count("missed"), "undecided": statuses.count("undecided"),
                     "stale_or_missing": statuses.count("stale") + statuses.count("missing"), "section": key,
                     "from_stale_files": sum(r.status == "stale" and bool(r.recorded) for _, r in pairs),
-                    "best": None if best is None else {"target": best.target, "measured": best.measured.split(" [stale:")[0],
-                                                       "ci": best.ci, "status": _effective(best)}})
+                    "claim": [_quoted(r) for r in claims] or None,
+                    "best": _quoted(best), "worst": None if worst is best else _quoted(worst)})
     return out
+
+
+def _quote_html(b: dict[str, Any]) -> str:
+    ci = "" if b["ci"] is None else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
+    return f"{_e(b['target'])}: {_e(b['measured'] or '—')}{_e(ci)} ({_e(b['status'])})"
+
+
+def _claim_html(rows: list[dict[str, Any]] | None) -> str:
+    """The claim's one row, or for several (one per pattern or length) their count by status and the worst."""
+    if not rows:
+        return "no row states it yet"
+    if len(rows) == 1:
+        return _quote_html(rows[0])
+    order = ("missed", "undecided", "stale", "missing", "met")
+    counts = ", ".join(f"{sum(r['status'] == s for r in rows)} {s}" for s in order if any(r["status"] == s for r in rows))
+    worst = min(rows, key=lambda r: order.index(r["status"]) if r["status"] in order else len(order))
+    return f"{len(rows)} rows ({counts}), the worst {_quote_html(worst)}"
 
 
 def _verdicts(sections: Sequence[Section]) -> str:
@@ -368,14 +405,18 @@ def _verdicts(sections: Sequence[Section]) -> str:
     out = ["<ul class='verdicts' id='verdicts'>"]
     for v in items:
         cls = {"works": "met", "partly": "open", "not yet": "missed"}[v["verdict"]]
-        b = v["best"]
-        ci = "" if b is None or b["ci"] is None else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
-        best = "" if b is None else f" — {_e(b['target'])}: {_e(b['measured'])}{_e(ci)} ({_e(b['status'])})"
+        parts = []
+        if any(s.axis == v["axis"] and s.claim for s in sections):
+            parts.append("claim: " + _claim_html(v["claim"]))
+        if v["best"] is not None:
+            parts.append(("best: " if parts else "") + _quote_html(v["best"]))
+        if v["worst"] is not None:
+            parts.append("worst: " + _quote_html(v["worst"]))
         stale = f", {v['stale_or_missing']} without a decision (stale or missing)" if v["stale_or_missing"] else ""
         stale += f", {v['from_stale_files']} read from stale files" if v["from_stale_files"] else ""
         out.append(f"<li><a href='#{_e(v['section'])}'><strong>{_e(v['axis'])}</strong></a>: "
                    f"<span class='{cls}'>{_e(v['verdict'])}</span> ({v['met']} of {v['targets']} targets met"
-                   f"{stale}){best}</li>")
+                   f"{stale}){' — ' + '; '.join(parts) if parts else ''}</li>")
     out.append("</ul>")
     return "\n".join(out)
 
