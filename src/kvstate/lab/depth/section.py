@@ -10,7 +10,9 @@ per target with the measured value.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,39 @@ LABELS = {BASE: "base, sharing post hoc", CONTROL: "no-routing control (p=1)", S
 CLA2 = "0_0_2_2"
 COLORS = dict(zip(LABELS, ("C0", "C1", "C2", "C3", "C4", "C5"), strict=True))  # one colour per model in every plot
 DECODE_FILE = "depth_decode.json"
+
+
+def _patterns_at(n_layers: int, owners: int) -> int:
+    """Sharing patterns of ``n_layers`` attention layers with exactly ``owners`` computing their own K/V (layer 0
+    always does; every other layer reads an earlier owner's): the count a declared family is a part of."""
+    total = 0
+    for rest in combinations(range(1, n_layers), owners - 1):
+        own = {0, *rest}
+        ways = 1
+        for i in range(n_layers):
+            if i not in own:
+                ways *= sum(1 for o in own if o < i)
+        total += ways
+    return total
+
+
+def describe(models_dir: Path, name: str) -> str:
+    """A model's label by what its training did (issue 42: a label says what a model is, not what it was meant to
+    be): per-layer routing probabilities and how much of the keep-0.5 space its declared family covers."""
+    path = models_dir / name / "training_state.json"
+    if not path.is_file():
+        return LABELS[name]
+    depth = json.loads(path.read_text()).get("depth") or {}
+    fam = depth.get("family") or {}
+    if depth.get("p_layer"):
+        p = ", ".join(f"{x:g}" for x in depth["p_layer"])
+        half = fam.get("by_keep", {}).get("0.5")
+        n = len(depth["p_layer"])
+        cover = f"; {len(half)} of {_patterns_at(n, n // 2)} keep-0.5 patterns" if half is not None else ""
+        return f"R-CLA, per-layer p = {p}{cover}"
+    if depth.get("p") not in (None, 1, 1.0) and name != CONTROL:
+        return f"R-CLA, p = {depth['p']:g} on every layer"
+    return LABELS[name]
 
 
 def eval_command(name: str) -> str:
@@ -376,7 +411,7 @@ def notes(models_dir: Path) -> list[str]:
     return out
 
 
-def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
+def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path, labels: dict[str, str]) -> Figure:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for name, rows in res.items():
         if name == KV1:  # the equal-KV baseline is one point: the model at its own (halved) KV size
@@ -389,7 +424,7 @@ def _figure(res: dict[str, list[dict[str, Any]]], out_dir: Path) -> Figure:
             err = [[max(y - r[f"{key}_ci"][0], 0) for y, r in zip(ys, shown, strict=True)],
                    [max(r[f"{key}_ci"][1] - y, 0) for y, r in zip(ys, shown, strict=True)]] \
                 if all(r.get(f"{key}_ci") for r in shown) else None
-            ax.errorbar(xs, ys, yerr=err, capsize=3, color=COLORS[name], label=LABELS[name], **style)
+            ax.errorbar(xs, ys, yerr=err, capsize=3, color=COLORS[name], label=labels[name], **style)
     axes[0].set_ylabel("task score (needle cells the full cache solves)")
     axes[1].set_ylabel("perplexity (held-out text, 1K)")
     axes[1].set_yscale("log")
@@ -535,7 +570,7 @@ def _curves(models_dir: Path, out_dir: Path) -> Figure | None:
             continue
         curve = [c for c in state["curve"] if c["step"] > depth["start_step"]]
         ax.plot([c["step"] - depth["start_step"] for c in curve], [c["loss"] for c in curve], marker=".",
-                color=COLORS[name], label=LABELS[name])
+                color=COLORS[name], label=describe(models_dir, name))
         drawn = True
     if not drawn:
         plt.close(fig)
@@ -604,16 +639,18 @@ def build(out_dir: Path, models_dir: Path) -> Section:
         fam = r.get("family_patterns") or {}
         return f"{r['worst_score']:.3f} ({r['worst_pattern']}; mean {r['mean_score']:.3f} of {len(fam)})"
 
+    labels = {n: describe(models_dir, n) for n in LABELS}
     table = Table("Sharing patterns per model", ["model", "trained", "keep", "pattern", "ppl [95%]", "score [95%]",
                                                  "worst of family", "n", "KV B/token", "status"],
-                  [[LABELS[n], _trained_tokens(models_dir, n), r["keep"], r["pattern"], ci(r, "ppl", ".3f"),
+                  [[labels[n], _trained_tokens(models_dir, n), r["keep"], r["pattern"], ci(r, "ppl", ".3f"),
                     ci(r, "score", ".3f"), worst(r), len(r.get("items", [])), r["kv_bytes_per_token"], arts[n].status]
                    for n, rows in res.items() for r in rows],
                   note="worst of family: the lowest score over every pattern the model's training declares at that "
                        "keep (kvstate depth eval; — : a run scored before families were)")
     intro = ("Random Cross-Layer Attention trains one model so that any cross-layer KV-sharing pattern works at "
              "deployment. The 4-layer reference attention model is continued from its committed checkpoint on the "
-             "same batches with R-CLA (the paper's rule: a routed layer reads a uniformly random earlier layer), "
+             "same batches with R-CLA (a routed layer reads a uniformly random earlier layer — the paper's rule — "
+             "with the per-layer probabilities its label gives: a layer at p = 1 is never routed), "
              "without routing (control), with the fixed CLA2 pattern (specialist), and — the paper's central "
              "comparison — as a dense model with one KV head (the same KV bytes per token as R-CLA at keep 0.5, "
              "initialised by averaging each pair of KV heads). The 'trained' column gives each run's tokens since "
@@ -640,7 +677,7 @@ def build(out_dir: Path, models_dir: Path) -> Section:
              "models. " + intro)
     return Section(key="depth", title="Depth: cross-layer KV sharing and R-CLA", paper=PAPER, intro=intro,
                    tables=[*rcla_tables, *real_tables, *ft_tables, table, *filter(None, [floor_table, pilot_table])],
-                   figures=[*ft_figures, _figure(res, out_dir), *filter(None, [pilot_fig, _pilot(models_dir, out_dir),
+                   figures=[*ft_figures, _figure(res, out_dir, labels), *filter(None, [pilot_fig, _pilot(models_dir, out_dir),
                                                                   _curves(models_dir, out_dir)])], summary={"results": res, "artifacts": {n: {"path": a.path, "status": a.status, "reason": a.reason,
                                                                        "provenance": a.provenance} for n, a in arts.items()}},
                    headline=[*rcla_head, *real_head, *real_decode_rows(models_dir), *rows, *floor_rows, *decode_rows(models_dir)], notes=notes(models_dir))
