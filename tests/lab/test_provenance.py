@@ -1,6 +1,8 @@
 """Result files record where they came from, keep every run, and go stale when their code or models change."""
 
 import json
+import sys
+import types
 
 import pytest
 
@@ -25,21 +27,70 @@ def test_a_run_records_its_provenance_and_runs_are_appended(tmp_path):
     assert P.read_runs(path)[-1]["ratio"] is None and P.read_runs(path)[-1]["rows"] == [{"r2": None}]
 
 
-def test_stale_when_the_code_changes(tmp_path, monkeypatch):
+def _executes(monkeypatch, path) -> None:
+    """The run imports ``path`` (a module in sys.modules whose file it is)."""
+    monkeypatch.setitem(sys.modules, f"_kvstate_test_{path.stem}", types.SimpleNamespace(__file__=str(path)))
+
+
+def test_stale_when_the_code_it_executed_changes(tmp_path, monkeypatch):
     src = tmp_path / "src"
     (src / "axis").mkdir(parents=True)
     (src / "axis" / "m.py").write_text("x = 1\n")
     monkeypatch.setattr(P, "SRC", src)
+    _executes(monkeypatch, src / "axis" / "m.py")
     path = tmp_path / "r.json"
     P.append_run(path, {"v": 1}, P.Recorder(code=("axis",)).finish())
     assert P.load_artifact(path, "cmd").status == "current"
     (src / "axis" / "m.py").write_text("x = 2\n")
     art = P.load_artifact(path, "cmd")
-    assert art.status == "stale" and "axis" in art.reason and art.command == "cmd"
+    assert art.status == "stale" and "m.py" in art.reason and art.command == "cmd"
     rec = P.Recorder(code=("axis",))  # the code is edited while the run is under way: its result is stale
     (src / "axis" / "m.py").write_text("x = 3\n")
     P.append_run(path, {"v": 2}, rec.finish())
     assert P.load_artifact(path, "cmd").status == "stale"
+
+
+def test_a_file_the_run_never_executed_or_one_that_only_presents_leaves_it_current(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "axis").mkdir(parents=True)
+    used, other, page = src / "axis" / "sekv.py", src / "axis" / "another_method.py", src / "page.py"
+    for f in (used, other, page):
+        f.write_text("x = 1\n")
+    monkeypatch.setattr(P, "SRC", src)
+    _executes(monkeypatch, used)
+    _executes(monkeypatch, page)
+    monkeypatch.setattr(P, "PRESENTATION", frozenset({str(page.resolve())}))
+    path = tmp_path / "r.json"
+    P.append_run(path, {"v": 1}, P.Recorder(code=("axis",)).finish())  # names the whole axis as its method's code
+    other.write_text("x = 2\n")  # a new method beside it, never imported by the run
+    (src / "axis" / "brand_new.py").write_text("y = 1\n")
+    page.write_text("x = 2\n")  # the report's page: records and presents, computes nothing measured
+    assert P.load_artifact(path, "cmd").status == "current"
+    used.write_text("x = 2\n")  # a real change to what it ran
+    assert P.load_artifact(path, "cmd").status == "stale"
+
+
+def test_a_run_without_per_file_hashes_is_still_decided_by_its_named_code(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    (src / "axis").mkdir(parents=True)
+    (src / "axis" / "m.py").write_text("x = 1\n")
+    monkeypatch.setattr(P, "SRC", src)
+    prov = P.Recorder(code=("axis",)).finish()
+    del prov["executed"]  # recorded before per-file hashes existed
+    path = tmp_path / "r.json"
+    P.append_run(path, {"v": 1}, prov)
+    assert P.load_artifact(path, "cmd").status == "current"
+    (src / "axis" / "m.py").write_text("x = 2\n")
+    assert P.load_artifact(path, "cmd").status == "stale"
+
+
+def test_presentation_modules_are_not_measurement_drivers():
+    """A module exempt from staleness must not be a run's driver or compute a value: none has a ``__main__`` or
+    an argparse entry, and each is one of the recording / page modules by path."""
+    root = P.REPO
+    for rel in P.PRESENTATION:
+        text = (root / rel).read_text()
+        assert (root / rel).is_file() and "if __name__ ==" not in text and "import argparse" not in text, rel
 
 
 def test_stale_without_provenance_missing_without_file_and_bad_files_refused(tmp_path):

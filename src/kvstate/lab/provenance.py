@@ -15,6 +15,13 @@ ledger's notion of "the same method", :mod:`kvstate.lab.ledger`) and of every mo
 result ``stale``, names the changed files and the command that regenerates it. A file that predates
 provenance (no ``format``) is read as one run without provenance, which is stale too.
 
+What decides staleness is what the run executed, not what it names (issue 42): where a run recorded each
+executed file's hash, a change to a file it never imported (a new method beside it in its axis) leaves it
+current, and the named ``code`` digest — the seed ledger's identity of a method — is not consulted. Files that
+only record, check or present a run (:data:`PRESENTATION`: this module, the ledger, the progress bar, the
+report's page and plots) cannot change a measured value and are left out of the comparison, so bookkeeping
+can change without marking every result stale.
+
 A run appended to a result file under ``models/`` passes the seed ledger first (:func:`append_run`):
 test seeds only, and a test seed already scored for a method only by that same, unchanged method.
 
@@ -47,6 +54,11 @@ FORMAT = "kvstate-results/1"
 SRC = Path(__file__).resolve().parents[1]  # src/kvstate
 REPO = SRC.parents[1]
 SCRIPT_DIRS = (REPO / "benchmarks", REPO / "scripts")  # driver scripts whose edits make a result stale
+# executed files that record, check or present a run and never compute a measured value: their edits leave results
+# current (each is tested not to be imported by a measurement for anything but recording and checking)
+PRESENTATION = frozenset({"src/kvstate/lab/provenance.py", "src/kvstate/lab/ledger.py", "src/kvstate/lab/progress.py",
+                          "src/kvstate/lab/report/html.py", "src/kvstate/lab/report/plots.py",
+                          "src/kvstate/lab/report/docs.py"})
 MODEL_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json"}  # the JSON files that define a model (results and cards are not part of it)
 
@@ -300,13 +312,13 @@ def load_artifact(path: str | Path, command: str, *, select: Any = None) -> Arti
     executed = prov.get("executed") or {}
     files = executed.get("files") if isinstance(executed, dict) else None
     if isinstance(files, dict):
-        changed = [k for k, h in sorted(files.items()) if _file_hash(_resolve_key(k)) != h]
+        changed = [k for k, h in sorted(files.items()) if k not in PRESENTATION and _file_hash(_resolve_key(k)) != h]
         if changed:
             more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             return Artifact(rel, command, "stale", f"{', '.join(changed[:3])}{more} changed since commit "
                             f"{prov.get('commit')}", run, len(runs))
     code = prov.get("code") or {}
-    if code.get("digest") != code_digest(code.get("modules") or []):
+    if not isinstance(files, dict) and code.get("digest") != code_digest(code.get("modules") or []):
         return Artifact(rel, command, "stale", f"source of {', '.join(code.get('modules') or [])} changed since "
                         f"commit {prov.get('commit')}", run, len(runs))
     for model, digest in (prov.get("models") or {}).items():
@@ -316,5 +328,5 @@ def load_artifact(path: str | Path, command: str, *, select: Any = None) -> Arti
     return Artifact(rel, command, "current", "", run, len(runs))
 
 
-__all__ = ["FORMAT", "Artifact", "Recorder", "append_run", "code_digest", "environment", "executed_digest",
+__all__ = ["FORMAT", "PRESENTATION", "Artifact", "Recorder", "append_run", "code_digest", "environment", "executed_digest",
            "executed_files", "git_commit", "load_artifact", "model_digest", "read_runs"]
