@@ -47,6 +47,9 @@ from typing import Any
 import numpy as np
 
 ARMS = {"chunk512": None, "stall256": 256, "stall128": 128, "stall64": 64}  # arm -> max_prefill_while_decoding
+# the test run's arms: the server's default (the dev-seed pilot's choice: docs/results/serve_stall_pilot.json) and the
+# smallest chunk piloted (its best inter-token latency, its worst first token)
+DEFAULT_ARMS = ("chunk512", "stall64")
 CONCURRENCY = (1, 8)
 TASKS = ("shared-prefix", "no-shared-prefix")
 PREFIXES = 4
@@ -61,9 +64,6 @@ def method(arm: str, c: int) -> str:
 def split_method(name: str) -> tuple[str, int]:
     arm, _, c = name.rpartition("@c")
     return arm, int(c)
-
-
-METHODS = tuple(method(a, c) for c in CONCURRENCY for a in ARMS)
 
 
 @dataclass(frozen=True)
@@ -146,31 +146,41 @@ def summarize(reqs: Sequence[dict[str, Any]], task: str, load: Load) -> dict[str
     return out
 
 
-def plans(model_dir: Path, seed: int, repeats: int, load: Load) -> tuple[Any, Any, Any]:
-    """The three timing experiments over the same closed-loop runs, their targets committed with this module."""
+def plans(model_dir: Path, seed: int, repeats: int, load: Load, arms: Sequence[str] = DEFAULT_ARMS
+          ) -> tuple[Any, dict[str, tuple[Any, Any, Any]]]:
+    """The whole run (every task; its provenance and seed-ledger entry) and, per task, the three timing
+    experiments over the same closed-loop runs (ITL, TTFT, per-token cost), each with one target per arm; the
+    targets are committed with this module, before the runs that decide them."""
     from kvstate.lab.experiment import Experiment, Target
 
-    settings = {"load": load.__dict__, "arms": {a: {"max_prefill_while_decoding": v, "max_tokens_per_step": 512}
-                                               for a, v in ARMS.items()},
+    methods = tuple(method(a, c) for c in CONCURRENCY for a in arms)
+    settings = {"load": load.__dict__, "arms": {a: {"max_prefill_while_decoding": ARMS[a], "max_tokens_per_step": 512}
+                                               for a in arms},
                 "client": "closed loop, in-process (no HTTP)", "threads": 1, "dtype": "float32",
                 "goodput": {"ttft_s": TTFT_SLO_S, "itl_s": ITL_SLO_S}}
-    common = dict(axis="position", methods=METHODS, seeds=(seed,), tasks=TASKS, lengths=(load.prefix_tokens,),
-                  repeats=repeats, kind="timing", code=("lab/serving/stall.py", "serve", "prefix", "models"),
-                  models=(str(model_dir),), settings=settings)
+    out = {}
+    whole = Experiment(name="serve-stall", axis="position", methods=methods, seeds=(seed,), tasks=TASKS,
+                       lengths=(load.prefix_tokens,), repeats=repeats, kind="timing",
+                       code=("lab/serving/stall.py", "serve", "prefix", "models"), models=(str(model_dir),),
+                       settings=settings)
+    for task in TASKS:
+        common = dict(axis="position", methods=methods, seeds=(seed,), tasks=(task,), lengths=(load.prefix_tokens,),
+                      repeats=repeats, kind="timing", code=("lab/serving/stall.py", "serve", "prefix", "models"),
+                      models=(str(model_dir),), settings=settings)
 
-    def per_arm(label: str, ratio: float) -> tuple[Any, ...]:
-        return tuple(Target(label.format(arm=a), method(a, 8), "ratio", ratio, higher_is_better=False,
-                            against=method(a, 1)) for a in ARMS)
+        def per_arm(label: str, ratio: float, task: str = task) -> tuple[Any, ...]:
+            return tuple(Target(f"{a}, {task}: " + label, method(a, 8), "ratio", ratio, higher_is_better=False,
+                                against=method(a, 1)) for a in arms)
 
-    itl = Experiment(name="serve-stall-itl", targets=per_arm(
-        "{arm}: ITL p50 at c = 8 <= 2.5x c = 1's (ref-hybrid, in-process)", 2.5), **common)  # type: ignore[arg-type]
-    ttft = Experiment(name="serve-stall-ttft", targets=per_arm(
-        "{arm}: TTFT p99 at c = 8 <= 4x c = 1's median (ref-hybrid, in-process)", 4.0),
-        **common)  # type: ignore[arg-type]
-    tok = Experiment(name="serve-stall-per-token", targets=per_arm(
-        "{arm}: output tokens/s at c = 8 >= 3x c = 1 (seconds per output token <= 1/3)", 1 / 3),
-        **common)  # type: ignore[arg-type]
-    return itl, ttft, tok
+        out[task] = (
+            Experiment(name=f"serve-stall-itl-{task}", targets=per_arm(
+                "ITL p50 at c = 8 <= 2.5x c = 1's (ref-hybrid, in-process)", 2.5), **common),  # type: ignore[arg-type]
+            Experiment(name=f"serve-stall-ttft-{task}", targets=per_arm(
+                "TTFT p99 at c = 8 <= 4x c = 1's median (ref-hybrid, in-process)", 4.0), **common),  # type: ignore[arg-type]
+            Experiment(name=f"serve-stall-per-token-{task}", targets=per_arm(
+                "output tokens/s at c = 8 >= 3x c = 1 (seconds per output token <= 1/3)", 1 / 3),
+                **common))  # type: ignore[arg-type]
+    return whole, out
 
 
 def _log(msg: str) -> None:
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=Load.prefix_tokens)
     ap.add_argument("--suffix-tokens", type=int, default=Load.suffix_tokens)
     ap.add_argument("--output-tokens", type=int, default=Load.output_tokens)
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(DEFAULT_ARMS))
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
@@ -199,10 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     load = Load(args.prefix_tokens, args.suffix_tokens, args.output_tokens, args.requests_c1, args.requests_c8)
     try:
-        itl_e, ttft_e, tok_e = plans(args.model, args.seed, args.repeats, load)
-        for e in (itl_e, ttft_e, tok_e):
-            check_out(e, args.out, overwrite=args.overwrite)
-        result = measure_all(args.model, args.seed, load, itl_e, ttft_e, tok_e)
+        whole, plan = plans(args.model, args.seed, args.repeats, load, tuple(args.arms))
+        check_out(whole, args.out, overwrite=args.overwrite)
+        result = measure_all(args.model, args.seed, load, whole, plan)
     except (KVStateError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -215,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def measure_all(model_dir: Path, seed: int, load: Load, itl_e: Any, ttft_e: Any, tok_e: Any) -> dict[str, Any]:
-    """Run every cell of the ITL experiment (the closed-loop runs), then decide the other two on the same runs."""
+def measure_all(model_dir: Path, seed: int, load: Load, whole: Any, plan: dict[str, tuple[Any, Any, Any]]
+                ) -> dict[str, Any]:
+    """Per task, run every cell of the ITL experiment (the closed-loop runs), then decide the other two on the same
+    runs; one document holding every experiment's rows and decisions."""
     import torch
 
-    from kvstate.lab.experiment import Measurement, run
+    from kvstate.lab.experiment import Measurement, recorder, run
     from kvstate.models import load_model
     from kvstate.models.loading import load_tokenizer
     from kvstate.prefix import PrefixCacheConfig
@@ -229,6 +241,7 @@ def measure_all(model_dir: Path, seed: int, load: Load, itl_e: Any, ttft_e: Any,
     from kvstate.serve.policy import BatchPolicy
     from kvstate.serve.scheduler import Scheduler
 
+    rec = recorder(whole)
     torch.set_num_threads(1)
     tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -262,8 +275,6 @@ def measure_all(model_dir: Path, seed: int, load: Load, itl_e: Any, ttft_e: Any,
              f"{row['output_tok_s']:.1f} tok/s, goodput {row['goodput']:.2f}")
         return Measurement([row["itl_p50_s"]], {f"r{cell.repeat}": row})
 
-    itl_doc = run(itl_e, measure, out=None, progress=True)
-
     def ttft(cell: Any) -> Any:
         row = runs[(cell.method, cell.task, cell.repeat)]
         return Measurement([row["ttft_p99_s"] if split_method(cell.method)[1] > 1 else row["ttft_p50_s"]])
@@ -271,14 +282,37 @@ def measure_all(model_dir: Path, seed: int, load: Load, itl_e: Any, ttft_e: Any,
     def per_token(cell: Any) -> Any:
         return Measurement([1.0 / runs[(cell.method, cell.task, cell.repeat)]["output_tok_s"]])
 
-    ttft_doc = run(ttft_e, ttft, out=None)
-    tok_doc = run(tok_e, per_token, out=None)
-    doc = {k: itl_doc[k] for k in ("experiment", "rows", "pooled")}
-    doc["decisions"] = [*itl_doc["decisions"], *ttft_doc["decisions"], *tok_doc["decisions"]]
-    doc["ttft"] = {k: ttft_doc[k] for k in ("experiment", "rows", "decisions")}
-    doc["per_token"] = {k: tok_doc[k] for k in ("experiment", "rows", "decisions")}
-    doc["goodput"] = goodput(runs)
-    return {"doc": doc, "provenance": itl_doc["provenance"]}
+    docs = {}
+    for task, (itl_e, ttft_e, tok_e) in plan.items():
+        itl_doc = run(itl_e, measure, out=None, progress=True)
+        docs[task] = [itl_doc, run(ttft_e, ttft, out=None), run(tok_e, per_token, out=None)]
+    from dataclasses import asdict
+
+    doc: dict[str, Any] = {"experiment": {**asdict(whole), "settings": dict(whole.settings)},
+                           "rows": [r for d in docs.values() for r in d[0]["rows"]], "pooled": None,
+                           "decisions": [x for d in docs.values() for e in d for x in e["decisions"]],
+                           "experiments": {d["experiment"]["name"]: {k: d[k] for k in ("experiment", "rows")}
+                                           for ds in docs.values() for d in ds},
+                           "goodput": goodput(runs), "later_visits": later_visits(runs)}
+    return {"doc": doc, "provenance": rec.finish()}
+
+
+def later_visits(runs: dict[tuple[str, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per method on ``shared-prefix``: visits after each prefix's first restoring >= 90% of it, over every repeat
+    (Wilson interval), decided against the issue's >= 95% of visits (a share of visits, beside the loop's
+    timing decisions)."""
+    from kvstate.lab import stats
+
+    out = []
+    for m in dict.fromkeys(m for m, t, _ in runs if t == "shared-prefix"):
+        rows = [r for (mm, tt, _), r in runs.items() if (mm, tt) == (m, "shared-prefix")]
+        hit, total = sum(r["later_visits_restoring_90pct"] for r in rows), sum(r["later_visits"] for r in rows)
+        if total == 0:  # fewer requests than prefixes: no later visit
+            continue
+        est = stats.wilson(hit, total)
+        out.append({"method": m, "restoring_90pct": hit, "visits": total, "share": est.value, "ci": [est.lo, est.hi],
+                    "status": stats.decide(est.lo, est.hi, 0.95)})
+    return out
 
 
 def goodput(runs: dict[tuple[str, str, int], dict[str, Any]]) -> list[dict[str, Any]]:
