@@ -18,6 +18,7 @@ import numpy as np
 from kvstate.lab import stats
 from kvstate.lab.provenance import load_artifact
 from kvstate.lab.report.html import HeadlineRow, Section, Table, artifact_row, check_row, run_row
+from kvstate.lab.serving import section as stall_section
 
 PAPER = "Sparse Prefix Caching for Hybrid and Recurrent LLM Serving"
 
@@ -272,6 +273,9 @@ def build(out_dir: Path, models_dir: Path) -> Section:
                             timing=True, repeats=est.n, n=est.n, seeds=(0,)))
     headline.append(_tree_vs_path(models_dir / "ref-hybrid" / "prefix_tree_replay.json", tables, summary))
     headline.append(_second_visit(models_dir, tables, summary))
+    stall_tables, stall_rows = stall_section.build(models_dir)
+    tables += stall_tables
+    headline += stall_rows
     return Section(
         key="prefix_replay",
         title="Position: the prefix cache served online (trace replay on ref-hybrid)",
