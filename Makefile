@@ -9,7 +9,7 @@ OUT ?= report
 # pure modules (no torch): mypy --strict
 PURE := $(addprefix src/kvstate/prefix/,placement.py envelope.py histogram.py tree_placement.py tree_plan.py eviction.py store.py config.py store_types.py store_eviction.py store_learning.py hashing.py) src/kvstate/serve/policy.py src/kvstate/lab/prefix/evaluate.py src/kvstate/lab/workloads/traces.py src/kvstate/semantic/segment.py src/kvstate/depth/patterns.py src/kvstate/depth/registry.py src/kvstate/transfer/lowrank.py src/kvstate/lab/journal.py src/kvstate/lab/locks.py src/kvstate/lab/canary.py
 
-.PHONY: setup demo test lint bench reproduce clean clients peer lock canary
+.PHONY: setup demo docs test lint bench reproduce clean clients peer lock canary
 
 LOCKS = $(PY) src/kvstate/lab/locks.py
 
@@ -60,6 +60,10 @@ setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(DEPTH_MODELS)
 
 demo: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
 	$(BIN)/kvstate report --out $(OUT)
+
+# the report, then every results table marked in docs/*.md refreshed from it (numbers in docs are generated)
+docs: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
+	$(BIN)/python -m kvstate.lab.make.docs --out $(OUT)
 
 test: $(STAMP) $(KVPRESS) $(REAL_MODEL) $(REAL_CONSUMER)
 	$(BIN)/python -m pytest

@@ -78,8 +78,10 @@ def run_settings() -> dict[str, Any]:
             **environment()}
 
 
-def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[str] | None = None) -> Path:
-    """Run the chosen sections into a staging directory, write the page, then swap it in as ``out_dir``."""
+def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[str] | None = None,
+                 collect: list[Section] | None = None) -> Path:
+    """Run the chosen sections into a staging directory, write the page, then swap it in as ``out_dir``
+    (``collect``: the built sections are appended to it, for the docs pass)."""
     names = [n for n, _ in SECTIONS]
     unknown = sorted(set(only or []) - set(names))
     if unknown:
@@ -102,6 +104,8 @@ def build_report(out_dir: Path, models_dir: Path = Path("models"), only: list[st
                 sections.append(section)
                 bar.advance()
         run["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+        if collect is not None:
+            collect.extend(sections)
         write_report(staging, sections, run)
         # again: something other than a report may have been written there while the sections ran
         check_output_dir(out_dir, overwrite=True, accept=is_report_dir, kind=REPORT_KIND)

@@ -12,6 +12,10 @@ superseded run cannot stay quoted once the report is rebuilt. :func:`hand_typed`
 outside any marker — a table whose cells hold measured values (a number, a ratio, a share, an interval) — so a
 test can refuse them (issue 42: "a test fails on a hand-typed number in a results table").
 
+A dev-seed pilot the report does not show may be quoted as a table when the line right above it names its
+files: ``<!-- kvstate:quoted docs/results/NAME.json [...] -->`` (only ``docs/results/``, where dev-seed runs live;
+:func:`quoted_files` lists them so a test checks each exists). A result under ``models/`` is never quoted.
+
 Ignores: numbers in running text (a sentence quoting a result names its file and run instead), tables that
 only describe (every cell words or code).
 """
@@ -36,6 +40,7 @@ _INTERVAL = r"\[\s*[-+−]?\d[\d,]*(?:\.\d+)?\s*,\s*[-+−]?\d[\d,]*(?:\.\d+)?\s
 _VALUE = rf"(?:\*\*)?{_NUM}(?:\s*{_INTERVAL})?(?:\*\*)?"
 MEASURED = re.compile(rf"^(?:{_VALUE}(?:\s*(?:/|·)\s*{_VALUE})*|{_INTERVAL})$")
 INTERVAL = re.compile(_INTERVAL)
+QUOTED = re.compile(r"<!-- kvstate:quoted (?P<paths>\S+(?: \S+)*) -->")
 
 
 class DocsError(KVStateError):
@@ -97,17 +102,25 @@ class HandTyped:
     text: str
 
 
-def _rows(lines: list[str]) -> Iterable[tuple[int, list[str]]]:
-    for i, line in enumerate(lines):
-        s = line.strip()
-        if s.startswith("|") and s.endswith("|") and not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", s):
-            cells = [c.strip() for c in re.split(r"(?<!\\)\|", s)[1:-1]]
-            yield i, cells
+def _tables(lines: list[str]) -> Iterable[tuple[int, list[tuple[int, list[str]]]]]:
+    """Each Markdown table: the index of its first line and its rows' (index, cells), separator rows left out."""
+    i = 0
+    while i < len(lines):
+        if not lines[i].strip().startswith("|"):
+            i += 1
+            continue
+        first, rows = i, []
+        while i < len(lines) and lines[i].strip().startswith("|"):
+            s = lines[i].strip()
+            if s.endswith("|") and not re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", s):
+                rows.append((i, [c.strip() for c in re.split(r"(?<!\\)\|", s)[1:-1]]))
+            i += 1
+        yield first, rows
 
 
 def hand_typed(text: str) -> list[HandTyped]:
-    """Table rows outside any marked block whose cells (the first column aside: a row's label) hold a measured
-    value, one per table."""
+    """Tables outside any marked block, and not quoted from a ``docs/results`` file, with a cell (the first
+    column aside: a row's label) holding a measured value: the first such row of each."""
     spans = [(m.start(), m.end()) for m in BLOCK.finditer(text)]
     lines = text.split("\n")
     starts, pos = [], 0
@@ -115,31 +128,35 @@ def hand_typed(text: str) -> list[HandTyped]:
         starts.append(pos)
         pos += len(line) + 1
     out: list[HandTyped] = []
-    last = -2
-    for i, cells in _rows(lines):
-        if any(a <= starts[i] < b for a, b in spans):
+    for first, rows in _tables(lines):
+        if any(a <= starts[first] < b for a, b in spans):
             continue
-        if any(MEASURED.match(c) or INTERVAL.search(c) for c in cells[1:]):
-            if i != last + 1:  # a new table
-                out.append(HandTyped(i + 1, lines[i]))
-            last = i
-        elif i == last + 1:
-            last = i
+        m = QUOTED.fullmatch(lines[first - 1].strip()) if first else None
+        if m is not None and all(p.startswith("docs/results/") for p in m["paths"].split()):
+            continue
+        hit = next((i for i, cells in rows if any(MEASURED.match(c) or INTERVAL.search(c) for c in cells[1:])), None)
+        if hit is not None:
+            out.append(HandTyped(hit + 1, lines[hit]))
     return out
+
+
+def quoted_files(text: str) -> list[str]:
+    """The files the page's quoted dev-seed tables name (repository-relative)."""
+    return [p for m in QUOTED.finditer(text) for p in m["paths"].split()]
 
 
 def update(paths: Sequence[Path], sections: Sequence[Section]) -> list[Path]:
     """Refresh every marked block in ``paths``; the pages that changed (written whole, atomically)."""
-    from kvstate.io_safety import atomic_write_text
+    from kvstate.io_safety import write_text_atomic
 
     changed = []
     for p in paths:
         text = p.read_text(encoding="utf-8")
         new = fill(text, sections)
         if new != text:
-            atomic_write_text(p, new)
+            write_text_atomic(p, new)
             changed.append(p)
     return changed
 
 
-__all__ = ["BLOCK", "DocsError", "HandTyped", "fill", "hand_typed", "markdown", "markers", "update"]
+__all__ = ["BLOCK", "DocsError", "HandTyped", "fill", "hand_typed", "markdown", "markers", "quoted_files", "update"]
