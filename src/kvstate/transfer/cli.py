@@ -43,9 +43,8 @@ def positions(*dirs: Path) -> int | None:
 
 
 def load_pair_model(model_dir: Path) -> tuple[Any, Any]:
-    """(model, tokenizer) of a model directory: the library's loader and the serving tokenizer loader."""
-    from kvstate.models.loading import load_model
-    from kvstate.serve.server import load_tokenizer
+    """(model, tokenizer) of a model directory: the library's loaders."""
+    from kvstate.models.loading import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)  # the cheaper check first
     return load_model(model_dir), tokenizer

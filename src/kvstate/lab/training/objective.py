@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvstate.lab.training.train import TrainConfig
+    from kvstate.lab.training.config import TrainConfig
 
 
 def answer_stats(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
