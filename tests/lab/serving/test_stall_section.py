@@ -32,7 +32,7 @@ def _doc(tmp: Path) -> Path:
 
 
 def test_the_default_arms_decisions_lead_and_every_arm_is_in_the_table(tmp_path: Path) -> None:
-    tables, head = section.build(_doc(tmp_path))
+    tables, head = section._stall(_doc(tmp_path))
     assert [r.target.split(":")[0] for r in head[:2]] == ["chunk512, shared-prefix"] * 2
     assert all("stall64" not in r.target for r in head)
     assert head[1].measured.startswith("2.50x tokens/s [2.00, 4.00]") and head[1].recorded in ("", "missed")
@@ -42,5 +42,21 @@ def test_the_default_arms_decisions_lead_and_every_arm_is_in_the_table(tmp_path:
 
 
 def test_a_missing_run_names_the_command(tmp_path: Path) -> None:
-    tables, (row,) = section.build(tmp_path)
+    tables, (row,) = section._stall(tmp_path)
     assert tables == [] and row.status == "missing" and "kvstate.lab.serving.stall" in (row.command or "")
+
+
+def test_the_45238_part_shows_the_decisions_as_hits_of_64_and_a_missing_file_names_its_command(tmp_path: Path) -> None:
+    run = {"provenance": {"seeds": [1077], "command": "cmd"},
+           "rows": [{"task": "1500-700", "method": m, "values": [0.0] + [1.0] * 63,
+                     "extra": {"restored": [0] + [1472] * 63, "ttft_s": [0.4] + [0.1] * 63}}
+                    for m in ("grid-off", "server")],
+           "decisions": [{"label": "vLLM #45238 shape 1500-700: >= 60 / 64", "method": "server", "metric": "score",
+                          "value": 63 / 64, "ci": [0.92, 0.997], "status": "undecided", "seeds": [1077], "n": 64}]}
+    (tmp_path / "ref-hybrid").mkdir()
+    (tmp_path / section.SHAPE_FILE).write_text(json.dumps({"format": "kvstate-results/1", "runs": [run]}))
+    tables, (row,) = section._shape(tmp_path)
+    assert row.measured.startswith("63.0 / 64 [58.9, 63.8]")
+    assert tables[0].rows[1] == ["1500-700", "server", "63 / 64", "1472", "100"]
+    tables, head = section.build(tmp_path)  # the stall file is missing there: its row says so, with its command
+    assert head[0].status == "missing" and "serving.stall" in (head[0].command or "") and len(head) == 2

@@ -22,9 +22,41 @@ FILE = "ref-hybrid/stall.json"
 COMMAND = "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.stall --seed 1072 --out models/ref-hybrid/stall.json"
 DEFAULT_ARM = "chunk512"  # kvstate serve's default (--max-prefill-while-decoding unset)
 GOODPUT_SHARE, LATER_SHARE = 0.9, 0.95  # issue 46's targets
+SHAPE_FILE = "ref-hybrid/shape45238.json"
+SHAPE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.serving.shape45238 --seed 1077 "
+                 "--out models/ref-hybrid/shape45238.json")
 
 
 def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
+    tables, head = _stall(models_dir)
+    shape_tables, shape_head = _shape(models_dir)
+    return tables + shape_tables, head + shape_head
+
+
+def _shape(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
+    """vLLM #45238's workload (:mod:`kvstate.lab.serving.shape45238`): the loop's decisions, hits per method."""
+    art = load_artifact(models_dir / SHAPE_FILE, SHAPE_COMMAND)
+    if art.run is None:
+        return [], [artifact_row(art, TECH, "vLLM #45238 shapes, c = 1: >= 60 / 64 hits", "")]
+    run = art.run
+    head = [artifact_row(art, TECH, str(d["label"]), f"{d['value'] * 64:.1f} / 64 [{d['ci'][0] * 64:.1f}, "
+                         f"{d['ci'][1] * 64:.1f}]", **headline_fields(d)) for d in run.get("decisions") or []]
+    rows = []
+    for r in run["rows"]:
+        restored, ttft = r["extra"]["restored"], r["extra"]["ttft_s"]
+        rows.append([r["task"], r["method"], f"{int(sum(r['values']))} / {len(r['values'])}",
+                     f"{statistics.median(restored):.0f}", f"{1e3 * statistics.median(ttft):.0f}"])
+    prov = run.get("provenance", {})
+    return [Table("vLLM #45238's workload on ref-hybrid: one shared prefix, a request-unique suffix, 64 requests "
+                  "per stream at c = 1 (vLLM: 52 / 64 and 0 / 64 hits on these shapes)",
+                  ["shape (shared-unique)", "method", "hits (>= 90% of the prefix restored)", "restored tokens p50",
+                   "TTFT p50 ms"], rows,
+                  note=f"Test seed {prov.get('seeds')}; `{prov.get('command', SHAPE_COMMAND)}`. grid-off: the prefix "
+                       "cache without grid checkpoints; server: kvstate serve's defaults (grid block 256). The first "
+                       "request of each stream is cold.")], head
+
+
+def _stall(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     art = load_artifact(models_dir / FILE, COMMAND)
     if art.run is None:
         return [], [artifact_row(art, TECH, "c = 8 against c = 1 on ref-hybrid: ITL, TTFT p99, tokens/s", "")]
