@@ -36,7 +36,9 @@ RESTORE_MAX = 0.10  # restore time / time saved
 LOGIT_TOL = 1e-4  # fp32 resumed vs full prefill
 EXACT_FAMILIES = ("qwen3_5", "bamba")  # a hybrid with Gated DeltaNet, a hybrid with Mamba2
 N_REQUESTS = 400  # seeded requests per workload
-TRACE_SEED = 0  # the workload traces' seed (placement is exact on a given trace: nothing here is tuned on it)
+# the seed of everything this section measures live (workload traces, the timing model's weights and prompt): a
+# test seed (issue 42: no headline row on a dev seed); the planners and timing code were designed on seed 0
+TRACE_SEED = LIVE_SEED = 1078
 TIMING_TOKENS, TIMING_REPEATS = 1024, 5  # prompt length and interleaved rounds of the engine timing (>= 5)
 
 
@@ -164,7 +166,7 @@ def _no_interval_row(target: str, value: str) -> HeadlineRow:
     not each round's times, so no spread of R² or of the restore share can be computed — undecided, never met."""
     return run_row(TECHNIQUE, target, f"{value}; not decided: no interval — the live timing "
                    "(kvstate.lab.prefix.timing.measure_engine) keeps only each depth's median over its interleaved "
-                   "rounds; an interval needs each round's times", status="undecided", n=TIMING_REPEATS, seeds=(0,))
+                   "rounds; an interval needs each round's times", status="undecided", n=TIMING_REPEATS, seeds=(LIVE_SEED,))
 
 
 def _capture_row(t: dict[str, Any]) -> HeadlineRow:
@@ -173,14 +175,15 @@ def _capture_row(t: dict[str, Any]) -> HeadlineRow:
     est = stats.timing(t["capture_ratios"], what="capture / plain prefill")
     status = stats.decide(est.lo, est.hi, CAPTURE_MAX, higher_is_better=False)
     return run_row(TECHNIQUE, target, f"{est.value:.3f}×", status=status, ci=(est.lo, est.hi), timing=True,
-                   repeats=est.n, n=est.n, seeds=(0,))
+                   repeats=est.n, n=est.n, seeds=(LIVE_SEED,))
 
 
 def _engine_timing(out_dir: Path) -> tuple[Table, Figure, dict[str, Any]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # less sensitive to other load; ratios are what we report
     try:
-        t = measure_engine(bench_model(), n=TIMING_TOKENS, align=64, slots=8, repeats=TIMING_REPEATS)
+        t = measure_engine(bench_model(LIVE_SEED), n=TIMING_TOKENS, align=64, slots=8, repeats=TIMING_REPEATS,
+                           seed=LIVE_SEED)
     finally:
         torch.set_num_threads(threads)
     saved = [t.resume_s[0] - r for r in t.resume_s]
