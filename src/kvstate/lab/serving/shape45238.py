@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstate.lab.serving import common
+
 SHAPES = {"1600-600": (1600, 600), "1500-700": (1500, 700)}  # task -> (shared prefix, unique suffix) tokens
 REQUESTS = 64  # per stream, the issue's count
 METHODS = ("grid-off", "server")
@@ -68,11 +70,7 @@ def measure_all(model_dir: Path, seed: int, streams: int, whole: Any, per: dict[
     """Every (method, shape) cell: ``streams`` streams of 64 requests; one result document for both shapes."""
     from dataclasses import asdict
 
-    import torch
-
     from kvstate.lab.experiment import Measurement, recorder, run
-    from kvstate.models import load_model
-    from kvstate.models.loading import load_tokenizer
     from kvstate.prefix import PrefixCacheConfig
     from kvstate.prefix.engine import SparsePrefixCache
     from kvstate.prefix.grid import GridConfig
@@ -81,12 +79,8 @@ def measure_all(model_dir: Path, seed: int, streams: int, whole: Any, per: dict[
     from kvstate.serve.sampling import SamplingParams
 
     rec = recorder(whole)
-    torch.set_num_threads(1)
-    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids = [i for i in range(vocab) if i not in special]
-    bos = tuple(tokenizer("").input_ids)
+    m = common.load(model_dir)
+    model, tokenizer, ids, bos = m.model, m.tokenizer, m.ids, m.bos
     defaults = ServeConfig(model_id=model_dir.name)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -131,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
-    if not (args.model / "config.json").is_file():
-        print(f"error: --model {args.model}: no model there (config.json missing); run `make setup`", file=sys.stderr)
+    if common.missing_model(args.model):
         return 2
     try:
         whole, per = plans(args.model, args.seed, args.streams)
@@ -141,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KVStateError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.out is not None:
-        from kvstate.lab.cli_output import write_results
-
-        write_results(args.out, result["doc"], result["provenance"], overwrite=args.overwrite)
-    for d in result["doc"]["decisions"]:
-        print(f"{d['label']}: {d['value']} {d['ci']} -> {d['status']}", file=sys.stderr)
-    return 0
+    return common.finish(args.out, result, args.overwrite)
 
 
 if __name__ == "__main__":

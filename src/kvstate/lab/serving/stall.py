@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.lab.serving import common
+
 ARMS = {"chunk512": None, "stall256": 256, "stall128": 128, "stall64": 64}  # arm -> max_prefill_while_decoding
 # the test run's arms: the server's default (the dev-seed pilot's choice: docs/results/serve_stall_pilot.json) and the
 # smallest chunk piloted (its best inter-token latency, its worst first token)
@@ -205,8 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
-    if not (args.model / "config.json").is_file():
-        print(f"error: --model {args.model}: no model there (config.json missing); run `make setup`", file=sys.stderr)
+    if common.missing_model(args.model):
         return 2
     load = Load(args.prefix_tokens, args.suffix_tokens, args.output_tokens, args.requests_c1, args.requests_c8)
     try:
@@ -216,24 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     except (KVStateError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.out is not None:
-        from kvstate.lab.cli_output import write_results
-
-        write_results(args.out, result["doc"], result["provenance"], overwrite=args.overwrite)
-    for d in result["doc"]["decisions"]:
-        print(f"{d['label']}: {d['value']:.3f} {d['ci']} -> {d['status']}", file=sys.stderr)
-    return 0
+    return common.finish(args.out, result, args.overwrite)
 
 
 def measure_all(model_dir: Path, seed: int, load: Load, whole: Any, plan: dict[str, tuple[Any, Any, Any]]
                 ) -> dict[str, Any]:
     """Per task, run every cell of the ITL experiment (the closed-loop runs), then decide the other two on the same
     runs; one document holding every experiment's rows and decisions."""
-    import torch
-
     from kvstate.lab.experiment import Measurement, recorder, run
-    from kvstate.models import load_model
-    from kvstate.models.loading import load_tokenizer
     from kvstate.prefix import PrefixCacheConfig
     from kvstate.prefix.engine import SparsePrefixCache
     from kvstate.serve.config import ServeConfig
@@ -242,12 +233,8 @@ def measure_all(model_dir: Path, seed: int, load: Load, whole: Any, plan: dict[s
     from kvstate.serve.scheduler import Scheduler
 
     rec = recorder(whole)
-    torch.set_num_threads(1)
-    tokenizer, model = load_tokenizer(model_dir), load_model(model_dir)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
-    ids = [i for i in range(vocab) if i not in special]
-    bos = tuple(tokenizer("").input_ids)
+    m = common.load(model_dir)
+    model, tokenizer, ids, bos = m.model, m.tokenizer, m.ids, m.bos
     defaults = ServeConfig(model_id=model_dir.name)
     runs: dict[tuple[str, str, int], dict[str, Any]] = {}
 
