@@ -382,7 +382,8 @@ def verdicts(sections: Sequence[Section]) -> list[dict[str, Any]]:
 
 
 def _quote_html(b: dict[str, Any]) -> str:
-    ci = "" if b["ci"] is None else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
+    shows = "[" in str(b["measured"])  # the measured text already gives its interval
+    ci = "" if b["ci"] is None or shows else f" [{b['ci'][0]:.3g}, {b['ci'][1]:.3g}]"
     return f"{_e(b['target'])}: {_e(b['measured'] or '—')}{_e(ci)} ({_e(b['status'])})"
 
 
