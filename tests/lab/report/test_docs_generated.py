@@ -57,3 +57,9 @@ def test_hand_typed_numbers_are_found_and_words_or_quoted_pilots_are_not() -> No
     assert docs.hand_typed(quoted) == [] and docs.quoted_files(quoted) == ["docs/results/pilot.json"]
     outside = "<!-- kvstate:quoted models/ref-attn/eval.json -->\n| run | 0.5 |\n|---|---|\n"
     assert docs.hand_typed(outside) != []  # a result under models/ is never quoted by hand
+
+
+def test_the_marker_syntax_shown_inline_in_running_text_is_neither_a_block_nor_a_quote() -> None:
+    page = ('Mark a table with `<!-- kvstate:table SECTION "TITLE" -->` … `<!-- /kvstate:table -->` or quote a pilot '
+            "under `<!-- kvstate:quoted docs/results/NAME.json -->`.\n")
+    assert docs.fill(page, _sections()) == page and docs.quoted_files(page) == [] and docs.markers(page) == []

@@ -31,8 +31,10 @@ from typing import Any
 from kvstate.errors import KVStateError
 from kvstate.lab.report.html import Section, Table
 
-BLOCK = re.compile(r'(?P<open><!-- kvstate:table (?P<section>[\w-]+) "(?P<title>[^"\n]+)" -->\n)(?P<body>.*?)'
-                   r'(?P<close><!-- /kvstate:table -->)', re.S)
+# markers count only on lines of their own (a page may show the syntax inline, as docs/lab.md does)
+BLOCK = re.compile(r'^(?P<open><!-- kvstate:table (?P<section>[\w-]+) "(?P<title>[^"\n]+)" -->\n)(?P<body>.*?)'
+                   r'^(?P<close><!-- /kvstate:table -->)$', re.S | re.M)
+OPENS, CLOSES = re.compile(r"^<!-- kvstate:table ", re.M), re.compile(r"^<!-- /kvstate:table -->$", re.M)
 # a cell that is a measured value: a number (thousands commas, decimals, sign), optionally a unit or ratio
 # mark, optionally an interval after it; or an interval alone; or two such values split by " / " or " · "
 _NUM = r"[-+−]?\d[\d,]*(?:\.\d+)?\s*(?:%|x|×|ms|s|B|KiB|MiB|GiB|M|K|points|pp)?"
@@ -84,8 +86,8 @@ def _find(sections: Sequence[Section], key: str, title: str) -> Table:
 
 def fill(text: str, sections: Sequence[Section]) -> str:
     """``text`` with every marked block replaced by its report table (markers kept)."""
-    if text.count("<!-- kvstate:table ") != len(BLOCK.findall(text)) or text.count("<!-- /kvstate:table -->") != \
-            len(BLOCK.findall(text)):
+    blocks = len(BLOCK.findall(text))
+    if len(OPENS.findall(text)) != blocks or len(CLOSES.findall(text)) != blocks:
         raise DocsError("docs: a kvstate:table marker is not closed by <!-- /kvstate:table --> (or a closing marker "
                         "has no opening one); pair them up")
     return BLOCK.sub(lambda m: m["open"] + markdown(_find(sections, m["section"], m["title"])) + m["close"], text)
@@ -142,7 +144,8 @@ def hand_typed(text: str) -> list[HandTyped]:
 
 def quoted_files(text: str) -> list[str]:
     """The files the page's quoted dev-seed tables name (repository-relative)."""
-    return [p for m in QUOTED.finditer(text) for p in m["paths"].split()]
+    found = (QUOTED.fullmatch(line.strip()) for line in text.split("\n"))
+    return [p for m in found if m is not None for p in m["paths"].split()]
 
 
 def update(paths: Sequence[Path], sections: Sequence[Section]) -> list[Path]:
