@@ -1,6 +1,7 @@
 """The test-seed ledger: a result under models/ takes test seeds only, and a used seed only the same method."""
 
 import json
+from typing import Any
 
 import pytest
 
@@ -90,6 +91,35 @@ def test_the_committed_ledger_holds_every_committed_test_seed_run():
     assert not missing, f"runs not in {L.LEDGER_NAME}: {sorted(missing)[:3]} (scripts/seed_ledger.py --overwrite)"
 
 
+def _one_invocation(entries: list[tuple[str, Any]], runs: list[dict[str, Any]] | None = None) -> bool:
+    """Every digest of a file's seed came from one command: one digest, or sibling experiments one command wrote
+    to one file (the reference eval's sweep and gate): the file's runs on that seed carry one command line and one
+    run per experiment name. A renamed or changed method re-scoring the seed repeats an experiment (or a command)."""
+    if len({e.digest for _, e in entries}) == 1:
+        return True
+    if runs is None:
+        file, seed = entries[0][1].file, entries[0][1].seed
+        runs = [r for r in P.read_runs(P.REPO / file) if seed in ((r.get("provenance") or {}).get("seeds") or [])]
+    provs = [r.get("provenance") or {} for r in runs]
+    names = [(p.get("settings") or {}).get("experiment") for p in provs]
+    return (len(runs) == len({e.digest for _, e in entries}) and None not in names and len(set(names)) == len(names)
+            and len({p.get("command") for p in provs}) == 1)
+
+
+def _run(experiment: str, command: str = "python -m kvstate.lab.report.eval_section --seed 1074") -> dict[str, Any]:
+    return {"provenance": {"seeds": [1074], "command": command, "settings": {"experiment": experiment}}}
+
+
+def test_sibling_experiments_of_one_command_are_one_scoring_and_a_renamed_method_is_not():
+    e = L.Entry  # (seed, file, commit, date, digest)
+    gate, sweep = e(1074, "f.json", "abc", "d", "d1"), e(1074, "f.json", "abc", "d", "d2")
+    two = [("m:full:reference-gate", gate), ("m:full:reference-sweep", sweep)]
+    assert _one_invocation(two, [_run("reference-sweep"), _run("reference-gate")])
+    assert not _one_invocation(two, [_run("sekv-eval"), _run("sekv-eval")])  # a rerun of one experiment
+    assert not _one_invocation(two, [_run("a"), _run("b", command="another command")])
+    assert not _one_invocation(two, [_run("a")])  # a digest the file's runs do not account for
+
+
 # (file, seed) pairs scored by two different runs before this check existed: kept as history, never extended
 RESCORED_BEFORE_THE_CHECK = {
     ("models/ref-attn-cla2/depth_eval.json", 1000), ("models/ref-attn-norouting/depth_eval.json", 1000),
@@ -108,10 +138,10 @@ def test_no_committed_result_file_scores_a_test_seed_with_two_different_runs():
     reuse the file's seed. Checked here over the committed ledger rather than in ``kvstate.lab.ledger`` itself,
     whose source every committed run executed (an edit there marks them all stale)."""
     ledger = L.read_ledger(L.results_root() / L.LEDGER_NAME)
-    digests: dict[tuple[str, int], set[str]] = {}
-    for es in ledger.values():
+    scored: dict[tuple[str, int], list[tuple[str, Any]]] = {}
+    for m, es in ledger.items():
         for e in es:
-            digests.setdefault((e.file, e.seed), set()).add(e.digest)
-    twice = sorted(k for k, d in digests.items() if len(d) > 1 and k not in RESCORED_BEFORE_THE_CHECK)
+            scored.setdefault((e.file, e.seed), []).append((m, e))
+    twice = sorted(k for k, es in scored.items() if not _one_invocation(es) and k not in RESCORED_BEFORE_THE_CHECK)
     assert not twice, (f"test seeds scored twice for one result file by different runs: {twice[:3]}; rerun "
                        "on a fresh test seed")

@@ -36,7 +36,8 @@ from kvstate.lab.serving import common
 
 SHAPES = {"1600-600": (1600, 600), "1500-700": (1500, 700)}  # task -> (shared prefix, unique suffix) tokens
 REQUESTS = 64  # per stream, the issue's count
-METHODS = ("grid-off", "server")
+GRID_BLOCK = {"grid-off": 0, "server": None}  # method -> grid block (None: kvstate serve's default grid)
+METHODS = tuple(GRID_BLOCK)
 HIT_SHARE = 0.9  # a request hits when it restores at least this share of the shared prefix
 TARGET_HITS = 60  # of 64 (issue 46)
 MODEL = Path("models/ref-hybrid")
@@ -91,7 +92,8 @@ def measure_all(model_dir: Path, seed: int, streams: int, whole: Any, per: dict[
         for s in range(streams):
             rng = random.Random(f"{seed}/{cell.task}/{s}")  # both methods see the same prompts
             prefix = bos + tuple(rng.choice(ids) for _ in range(shared - len(bos)))
-            grid = defaults.grid if cell.method == "server" else GridConfig(block=0)
+            block = GRID_BLOCK[cell.method]
+            grid = defaults.grid if block is None else GridConfig(block=block)
             gen = Generator(model, tokenizer, SparsePrefixCache(model, PrefixCacheConfig(defaults.budget_bytes),
                                                                 grid=grid))
             for _ in range(REQUESTS):
