@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvstate.lab.serving import section
+from kvstate.lab.serving import peer_section, section
 
 
 def _doc(tmp: Path) -> Path:
@@ -59,4 +59,5 @@ def test_the_45238_part_shows_the_decisions_as_hits_of_64_and_a_missing_file_nam
     assert row.measured.startswith("63.0 / 64 [58.9, 63.8]")
     assert tables[0].rows[1] == ["1500-700", "server", "63 / 64", "1472", "100"]
     tables, head = section.build(tmp_path)  # the stall file is missing there: its row says so, with its command
-    assert head[0].status == "missing" and "serving.stall" in (head[0].command or "") and len(head) == 2
+    assert head[0].status == "missing" and "serving.stall" in (head[0].command or "")
+    assert len(head) == 2 + len(peer_section.RUNS) and all(r.status == "missing" for r in head[2:])

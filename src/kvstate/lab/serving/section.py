@@ -16,6 +16,7 @@ from kvstate.lab import stats
 from kvstate.lab.experiment import headline_fields
 from kvstate.lab.provenance import load_artifact
 from kvstate.lab.report.html import HeadlineRow, Table, artifact_row
+from kvstate.lab.serving import peer_section
 
 TECH = "serving (continuous batching, in-process)"
 FILE = "ref-hybrid/stall.json"
@@ -30,7 +31,8 @@ SHAPE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.serving.shape45238 --s
 def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     tables, head = _stall(models_dir)
     shape_tables, shape_head = _shape(models_dir)
-    return tables + shape_tables, head + shape_head
+    peer_tables, peer_head = peer_section.build(models_dir)
+    return tables + shape_tables + peer_tables, head + shape_head + peer_head
 
 
 def _shape(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
