@@ -25,6 +25,9 @@ RUNS = (
      "--out models/ref-attn/peer.json", "ref-attn (attention)"),
     ("ref-hybrid/peer.json", "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.peer --model models/ref-hybrid "
      "--seed 1083 --out models/ref-hybrid/peer.json", "ref-hybrid (linear attention + attention)"),
+    ("smollm2/peer.json", "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.peer --model models/smollm2-135m-instruct "
+     "--seed 1084 --concurrency 1 8 --tasks shared-prefix --requests-c8 16 --out models/smollm2/peer.json",
+     "SmolLM2-135M-Instruct (real model, attention)"),
 )
 
 
