@@ -393,8 +393,9 @@ class SparsePrefixCache:
         instead of after ``T-1``, which needs a call boundary there.
 
         ``chunk`` / ``between``: chunked prefill for a batching server — no forward call covers more than
-        ``chunk`` tokens and ``between()`` runs after each call but the last (the server decodes its running
-        batch there); what this request restores stays pinned meanwhile."""
+        ``chunk`` tokens and ``between()`` runs after every ``chunk`` tokens at most (the server decodes its
+        running batch there; checkpoint cuts inside a chunk split its forward calls, not the step:
+        :func:`budgeted`); what this request restores stays pinned meanwhile."""
         input_ids, tokens = self._tokens(input_ids, attention_mask)
         n = len(tokens)
         end = n if full_state else n - 1  # the end state this request keeps, and the returned cache's length
@@ -440,7 +441,7 @@ class SparsePrefixCache:
                 result_cache = build_cache(self.model.config, self._kinds, parts, remote_state, start, self._device)
             out = segmented_prefill(
                 self.model, input_ids, cuts=cuts, cache=cache, start=start, capture="recurrent", chunk=chunk,
-                between=between,
+                between=budgeted(between, start, n, cuts, chunk),
             )
             dev = self.config.state_device
             states = {p: to_device(out.snapshots[p], dev) for p in capture}
@@ -593,3 +594,25 @@ class SparsePrefixCache:
         if not token_ids:
             return 0
         return int(self.lookup(torch.tensor([list(token_ids)], device=self._device), full_state=True).position)
+
+
+def budgeted(between: Callable[[], None] | None, start: int, total: int, cuts: Sequence[int],
+             chunk: int | None) -> Callable[[], None] | None:
+    """``between`` called only where the next forward call would take the tokens since the last call of it past
+    ``chunk``: a step of a batching server then carries up to ``chunk`` prefill tokens, however many checkpoint
+    cuts split them into forward calls (each cut alone would be a step, a decode stall, and a later first token).
+    The forward calls are :func:`~kvstate.models.prefill.segmented_prefill`'s: one per bound, in order."""
+    if between is None or chunk is None:
+        return between
+    bounds = sorted({c for c in cuts if start < c <= total} | {total} | set(range(start + chunk, total, chunk)))
+    state = {"call": 0, "since": start}
+
+    def maybe() -> None:
+        i = state["call"]
+        state["call"] = i + 1
+        if i + 1 < len(bounds) and bounds[i + 1] - state["since"] <= chunk:
+            return  # the next call still fits this step's budget
+        state["since"] = bounds[i]
+        between()
+
+    return maybe

@@ -149,7 +149,8 @@ def _run_doc(tmp: Path, file: str) -> None:
                         "ci": [0.83, 0.99]},
                        {"method": "hf-serve@c8", "task": "shared-prefix", "met": 4, "requests": 40, "share": 0.1,
                         "ci": [0.04, 0.23]}],
-           "later_visits": [{"method": "kvstate@c8", "restoring_90pct": 99, "visits": 100}], "servers_agree": True}
+           "later_visits": [{"method": "kvstate@c8", "restoring_90pct": 99, "visits": 100},
+                            {"method": "hf-serve@c8", "restoring_90pct": 0, "visits": 100}], "servers_agree": True}
     (tmp / file).parent.mkdir(parents=True, exist_ok=True)
     (tmp / file).write_text(json.dumps({"format": "kvstate-results/1", "runs": [run]}))
 
@@ -163,6 +164,7 @@ def test_the_report_part_shows_decisions_goodput_beside_the_peer_and_every_serve
     assert "0.95 (38 / 40); transformers serve 0.10" in mine[1].measured and mine[1].status in ("undecided", "stale")
     assert len(mine) == 2 and [r[1] for r in tables[0].rows] == ["kvstate@c8", "hf-serve@c8"]
     assert tables[0].rows[0][4] == "15.0" and tables[0].rows[0][7] == "500" and tables[0].rows[0][8] == "99 / 100"
+    assert tables[0].rows[1][8] == "not reported / 100"  # the peer says nothing of cached tokens
     # the other models' runs are missing: one row each naming its command
     missing = [r for r in head if r.status == "missing"]
     assert len(missing) == len(peer_section.RUNS) - 1 and all("serving.peer" in (r.command or "") for r in missing)

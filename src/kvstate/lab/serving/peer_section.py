@@ -80,6 +80,8 @@ def _table(run: dict[str, Any], label: str, command: str) -> Table:
             return statistics.median(x[key] for x in reps if x[key] is not None)
 
         v = later.get(r["method"]) if r["task"] == "shared-prefix" else None
+        if v and r["method"].startswith("hf-serve@"):  # the peer reports no cached tokens: nothing to count
+            v = {"restoring_90pct": "not reported", "visits": v["visits"]}
         rows.append([r["task"], r["method"], f"{1e3 * med('ttft_p50_s'):.0f}", f"{1e3 * med('ttft_p99_s'):.0f}",
                      f"{1e3 * med('itl_p50_s'):.1f}", f"{med('output_tok_s'):.1f}", f"{med('goodput'):.2f}",
                      f"{med('peak_rss_bytes') / 2**20:.0f}",
@@ -95,4 +97,7 @@ def _table(run: dict[str, Any], label: str, command: str) -> Table:
                  rows, note=f"Medians of {settings.get('repeats', '?')} interleaved repeats, one thread per server; "
                             f"test seed {prov.get('seeds')}; `{prov.get('command', command)}`. Greedy replies agree: "
                             f"{run.get('servers_agree')}. Peak RSS: the server process's largest resident set during "
-                            "the run (transformers serve's continuous batching preallocates its paged cache).")
+                            "the run (transformers serve's continuous batching preallocates its paged cache; kvstate's includes "
+                            "its prefix store, which fills toward its budget, 1 GiB by default). Later visits: "
+                            "requests after each prefix's first whose reply says it restored >= 90% of the prefix "
+                            "(usage.prompt_tokens_details.cached_tokens).")
