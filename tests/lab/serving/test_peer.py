@@ -156,7 +156,7 @@ def _run_doc(tmp: Path, file: str) -> None:
 
 
 def test_the_report_part_shows_decisions_goodput_beside_the_peer_and_every_server(tmp_path: Path) -> None:
-    file, _, label = peer_section.RUNS[0]
+    file, _, label = next(r for r in peer_section.RUNS if "hybrid" in r[0])  # goodput is decided on the hybrid
     _run_doc(tmp_path, file)
     tables, head = peer_section.build(tmp_path)
     mine = [r for r in head if r.target.startswith(label)]
@@ -168,3 +168,7 @@ def test_the_report_part_shows_decisions_goodput_beside_the_peer_and_every_serve
     # the other models' runs are missing: one row each naming its command
     missing = [r for r in head if r.status == "missing"]
     assert len(missing) == len(peer_section.RUNS) - 1 and all("serving.peer" in (r.command or "") for r in missing)
+    attn, _, attn_label = next(r for r in peer_section.RUNS if "ref-attn" in r[0])
+    _run_doc(tmp_path, attn)  # elsewhere goodput is a column, not a decided row
+    _, head = peer_section.build(tmp_path)
+    assert not any(r.target.startswith(attn_label) and "goodput" in r.target for r in head)

@@ -30,15 +30,15 @@ REPLAY_FILE, TREE_FILE = "prefix_replay.json", "prefix_tree_replay.json"
 # `kvstate prefix replay-bench` runs the same; `python -m` imports only the prefix axis's modules, so the result's
 # executed-file digest does not go stale when another axis's command line changes
 REPLAY_CMD = ("OMP_NUM_THREADS=1 python -m kvstate.lab.prefix.cli replay-bench --requests 100 --repeats 5 "
-              "--planners optimal --declare --seed 1075 --out models/ref-hybrid/prefix_replay.json")
+              "--planners optimal --declare --seed 1089 --out models/ref-hybrid/prefix_replay.json")
 TREE_CMD = ("OMP_NUM_THREADS=1 python -m kvstate.lab.prefix.cli replay-bench --placement path,tree --workloads "
-            "quality,system_prompts --requests 100 --seed 1076 --no-baseline --grid "
+            "quality,system_prompts --requests 100 --seed 1090 --no-baseline --grid "
             "1073741824:8,33554432:8,1073741824:2,16777216:2 --out models/ref-hybrid/prefix_tree_replay.json")
 
 
 SECOND_FILE = "second_visit.json"
 SECOND_CMD = ("OMP_NUM_THREADS=1 python benchmarks/prefix_second_visit.py --rounds 20 --blocks 128 256 512 --diverge end "
-              "--seed 1073 --out models/ref-hybrid/second_visit.json")
+              "--seed 1088 --out models/ref-hybrid/second_visit.json")
 SECOND_ARM, SECOND_SHARE = "on-256", 0.95  # kvstate serve's default grid block; issue 46's target share
 
 

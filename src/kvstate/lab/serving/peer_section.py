@@ -18,13 +18,14 @@ from kvstate.lab.provenance import load_artifact
 from kvstate.lab.report.html import HeadlineRow, Table, artifact_row
 
 TECH = "serving (against transformers serve, HTTP)"
-GOODPUT_SHARE = 0.9  # issue 46: goodput at c = 8 on the hybrid
-# the committed runs: (result file under models/, the command that regenerates it, the model's label)
+GOODPUT_SHARE = 0.9  # issue 46: goodput at c = 8 on the hybrid (its objectives are the hybrid's: TTFT 500 ms, ITL 50 ms)
+# the committed runs: (result file under models/, the command that regenerates it, the model's label); goodput is
+# decided on the hybrid, shown in the table elsewhere (a real model's 1K-token prefill alone takes ~4 s here)
 RUNS = (
     ("ref-attn/peer.json", "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.peer --model models/ref-attn --seed 1082 "
      "--out models/ref-attn/peer.json", "ref-attn (attention)"),
     ("ref-hybrid/peer.json", "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.peer --model models/ref-hybrid "
-     "--seed 1083 --out models/ref-hybrid/peer.json", "ref-hybrid (linear attention + attention)"),
+     "--seed 1085 --out models/ref-hybrid/peer.json", "ref-hybrid (linear attention + attention)"),
     ("smollm2/peer.json", "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.peer --model models/smollm2-135m-instruct "
      "--seed 1084 --concurrency 1 8 --tasks shared-prefix --requests-c8 16 --out models/smollm2/peer.json",
      "SmolLM2-135M-Instruct (real model, attention)"),
@@ -42,7 +43,8 @@ def build(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
         run = art.run
         for d in run.get("decisions") or []:
             head.append(artifact_row(art, TECH, f"{label}, {d['label']}", _shown(d), **headline_fields(d)))
-        head += _goodput(art, run, label)
+        if "hybrid" in file:
+            head += _goodput(art, run, label)
         tables.append(_table(run, label, command))
     return tables, head
 

@@ -20,11 +20,11 @@ from kvstate.lab.serving import peer_section
 
 TECH = "serving (continuous batching, in-process)"
 FILE = "ref-hybrid/stall.json"
-COMMAND = "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.stall --seed 1079 --out models/ref-hybrid/stall.json"
+COMMAND = "OMP_NUM_THREADS=1 python -m kvstate.lab.serving.stall --seed 1086 --out models/ref-hybrid/stall.json"
 DEFAULT_ARM = "chunk512"  # kvstate serve's default (--max-prefill-while-decoding unset)
 GOODPUT_SHARE, LATER_SHARE = 0.9, 0.95  # issue 46's targets
 SHAPE_FILE = "ref-hybrid/shape45238.json"
-SHAPE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.serving.shape45238 --seed 1081 "
+SHAPE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.serving.shape45238 --seed 1087 "
                  "--out models/ref-hybrid/shape45238.json")
 
 
