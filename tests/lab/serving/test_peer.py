@@ -96,17 +96,26 @@ def test_a_refused_request_is_an_error_naming_the_status() -> None:
         asyncio.run(peer.closed_loop("http://x", "m", ["p"], 1, 3, usage=False, transport=t))
 
 
-def test_the_resident_set_sampler_sees_memory_taken_during_the_block() -> None:
-    base = peer.rss_bytes(os.getpid())
-    assert base > 0 and peer.rss_bytes(2**31 - 1) == 0
-    with peer.RssPeak(os.getpid()) as rss:
-        block = bytearray(64 * 2**20)
-        block[::4096] = b"x" * len(block[::4096])  # touch every page
-        import time
+def test_the_resident_set_sampler_sees_memory_another_process_takes_while_it_watches() -> None:
+    """A child takes ~200 MiB for a moment and frees it: the sampler watching its pid saw the peak (a fresh process,
+    so no allocator of this test process can hide the growth in memory it already holds)."""
+    import subprocess
+    import sys
 
-        time.sleep(5 * peer.RSS_POLL_S)
-        del block
-    assert rss.peak >= base + 48 * 2**20
+    code = ("import sys, time; sys.stdin.readline(); b = bytearray(200 * 2**20); b[::4096] = b'x' * len(b[::4096]); "
+            "time.sleep(0.5); del b; time.sleep(0.3)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    try:
+        with peer.RssPeak(child.pid) as rss:
+            start = peer.rss_bytes(child.pid)
+            assert child.stdin is not None
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            child.wait(timeout=60)
+    finally:
+        child.kill()
+    assert 0 < start < 150 * 2**20 <= rss.peak
+    assert peer.rss_bytes(os.getpid()) > 0 and peer.rss_bytes(2**31 - 1) == 0
 
 
 def test_the_targets_are_issue_46s_and_only_where_their_methods_run() -> None:
