@@ -104,6 +104,33 @@ def droidspeak_blocks(producer: Any, consumer: Any, tok: Any, codec_dir: Path, c
     return {droidspeak_label(s): stored[str(block_size(n, s))]["block"] for s in BUDGETS}
 
 
+RIDGE_PREFIXES, RIDGE_LENGTH = 16, 1024
+GATE_TOKENS = 32  # the gate's recomputed last context tokens
+
+
+def ridge_artifacts(producer: Any, consumer: Any, tok: Any, codec_dir: Path, names: Sequence[str],
+                    say: Any) -> dict[str, str]:
+    """Per ridge method in ``names``, its maps in the codec directory (``ridge_{scope}.safetensors``), fitted
+    there on :data:`RIDGE_PREFIXES` calibration prompts (the calibration stream, never evaluation items) when
+    absent."""
+    from kvstate.lab.transfer.real_prompts import calibration_prompts
+    from kvstate.transfer import methods as registry
+    from kvstate.transfer.ridge import RidgeConfig, fit_ridge_maps
+
+    out: dict[str, str] = {}
+    prompts: list[Any] = []
+    for name in names:
+        scope = getattr(registry.get(name), "scope", None)
+        if not name.startswith("ridge") or scope is None:
+            continue
+        path = codec_dir / f"ridge_{scope}.safetensors"
+        if not path.is_file():
+            prompts = prompts or calibration_prompts(tok, RIDGE_PREFIXES, RIDGE_LENGTH)
+            fit_ridge_maps(producer, consumer, prompts, RidgeConfig(scope=scope), progress=say).save(path)
+        out[name] = str(path)
+    return out
+
+
 def experiment(producer: Path, consumer: Path, codec_dir: Path, methods: Sequence[str], tasks: Sequence[str],
                lengths: Sequence[int], n: int, seed: int, new_tokens: int, blocks: Mapping[str, str]) -> Any:
     from kvstate.lab.experiment import Experiment
@@ -115,14 +142,18 @@ def experiment(producer: Path, consumer: Path, codec_dir: Path, methods: Sequenc
                             "lab/scoring.py", "lab/cached_reply.py", "lab/transfer/realpair_bench.py"),
                       models=(str(producer), str(consumer), str(codec_dir)),
                       settings={"new_tokens": new_tokens, "source": rt.SOURCE, "threads": 1, "dtype": "float32",
-                                "droidspeak_blocks": dict(blocks)})
+                                "droidspeak_blocks": dict(blocks),
+                                "gate_tokens": GATE_TOKENS, "ridge_prefixes": RIDGE_PREFIXES})
 
 
 class Measure:
     def __init__(self, producer: Any, consumer: Any, tok: Any, contexts: Mapping[str, tuple[Any, Any]],
-                 new_tokens: int, say: Any) -> None:
+                 new_tokens: int, say: Any, gate: Any = None) -> None:
+        from kvstate.transfer.gate import GateConfig
+
         self.p, self.c, self.tok, self.contexts, self.new_tokens, self.say = (producer, consumer, tok, contexts,
                                                                               new_tokens, say)
+        self.gate = gate or GateConfig(tokens=GATE_TOKENS)
 
     def __call__(self, item: Any) -> Any:
         from kvstate.lab.cached_reply import prefill, reply_from
@@ -130,7 +161,8 @@ class Measure:
         from kvstate.lab.models.realtext_eval import reply_budget
         from kvstate.lab.scoring import string_match_all
         from kvstate.lab.workloads import realtext as rt
-        from kvstate.transfer.methods import payload_bytes_per_token
+        from kvstate.transfer.gate import read_gate
+        from kvstate.transfer.methods import payload_bytes_per_token, shared_prefill
         from kvstate.transfer.states import geometry
 
         t0 = time.perf_counter()
@@ -141,16 +173,19 @@ class Measure:
         raw_bf16 = 2 * 2 * g.n_layers * g.n_kv_heads * g.head_dim  # bytes per token of a bf16 K + V cache
         replies = {ORACLE: reply_from(self.c, self.tok, ids, prefill(self.c, ids), budget)}
         about: dict[str, Any] = {}
-        for name, (method, ctx) in self.contexts.items():
-            t = time.perf_counter()
-            payload = method.encode(self.p, ids[:, :-1], ctx)
-            cache = method.decode(self.c, payload, ids[0, :-1].tolist(), ctx)
-            replies[name] = reply_from(self.c, self.tok, ids, cache, budget)
-            rec = method.recomputed_layers(ctx)
-            about[name] = {"bytes_per_token": round(payload_bytes_per_token(payload), 1),
-                           "bf16_share": round(payload_bytes_per_token(payload) / raw_bf16, 4),
-                           "recomputed": len(rec), "flops_share": round(len(rec) / g.n_layers, 4),
-                           "seconds": round(time.perf_counter() - t, 2)}
+        with shared_prefill():  # one producer prefill per item, shared by every method that reads its states
+            for name, (method, ctx) in self.contexts.items():
+                t = time.perf_counter()
+                payload = method.encode(self.p, ids[:, :-1], ctx)
+                cache = method.decode(self.c, payload, ids[0, :-1].tolist(), ctx)
+                gate = read_gate(self.c, cache, ids[:, :-1], self.gate)
+                replies[name] = reply_from(self.c, self.tok, ids, cache, budget)
+                rec = method.recomputed_layers(ctx)
+                about[name] = {"bytes_per_token": round(payload_bytes_per_token(payload), 1),
+                               "bf16_share": round(payload_bytes_per_token(payload) / raw_bf16, 4),
+                               "recomputed": len(rec), "flops_share": round(len(rec) / g.n_layers, 4),
+                               "seconds": round(time.perf_counter() - t, 2),
+                               "gate": {"error": gate.error, "nll": gate.nll, "layer_errors": list(gate.layer_errors)}}
         scores = {m: string_match_all(r, x.answers) for m, r in replies.items()}
         self.say(f"{item.length:,} {item.task} #{item.index}: " + ", ".join(f"{m} {s:.2f}" for m, s in scores.items())
                  + f" ({time.perf_counter() - t0:.1f} s)")
@@ -165,10 +200,12 @@ def summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out.setdefault(m, []).append(a)
     return {m: {k: round(sum(a[k] for a in v) / len(v), 4) for k in ("bytes_per_token", "bf16_share", "recomputed",
                                                                        "flops_share", "seconds")}
+            | ({"gate_error": round(sum(a["gate"]["error"] for a in v) / len(v), 4)} if all("gate" in a for a in v)
+               else {})
             for m, v in out.items()}
 
 
-DEFAULT_METHODS = ("raw", "kivi4", "kivi2", "scd", "reuse")
+DEFAULT_METHODS = ("raw", "kivi4", "kivi2", "ridge_head", "ridge_layer", "scd")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         codec.check_models(p, c)
         base_ctx = MethodContext(codec=codec, codec_dir=a.codec)
         blocks = {} if a.no_droidspeak else droidspeak_blocks(p, c, tok, a.codec, base_ctx, say)
-        contexts = {m: registry.context(m, base_ctx) for m in names}
+        artifacts = ridge_artifacts(p, c, tok, a.codec, names, say)
+        contexts = {m: registry.context(m, base_ctx.with_options(artifact=artifacts[m]) if m in artifacts else base_ctx)
+                    for m in names}
         for label, block in blocks.items():
             contexts[label] = registry.context("droidspeak", base_ctx.with_options(block=block))
         e = experiment(a.producer, a.consumer, a.codec, list(contexts), tasks, lengths, a.n, a.seed, a.new_tokens,

@@ -25,6 +25,7 @@ from kvstate.transfer.methods.base import (
     payload_bytes_per_token,
     producer_states,
     raw_pair,
+    shared_prefill,
     tensor_bytes,
 )
 from kvstate.transfer.payload import Payload
@@ -137,4 +138,4 @@ def describe(ctx: MethodContext | None = None) -> list[dict[str, Any]]:
 
 __all__ = ["MethodContext", "MethodError", "Receiver", "TransferMethod", "context", "describe", "encoder", "get",
            "methods", "names", "parse_options", "payload_bytes_per_token", "producer_states", "raw_pair",
-           "receiver", "reference", "register", "served_methods", "tensor_bytes"]
+           "receiver", "reference", "register", "served_methods", "shared_prefill", "tensor_bytes"]

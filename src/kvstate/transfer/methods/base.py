@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -149,10 +150,40 @@ class TransferMethod(ABC):
                                f"(pass --method {got} on both ends)")
 
 
+_SHARED: list[dict[tuple[int, bytes], Any]] = []  # open shared_prefill() scopes, innermost last
+
+
+@contextmanager
+def shared_prefill() -> Iterator[None]:
+    """Inside the ``with``, :func:`producer_states` prefills each (producer, ids) once and every method that
+    encodes those ids reuses it (item-major benches: one producer prefill per item shared by every method).
+    Nothing is kept after the ``with``."""
+    _SHARED.append({})
+    try:
+        yield
+    finally:
+        _SHARED.pop()
+
+
 def producer_states(producer: Any, ids: torch.Tensor, skip: Sequence[int] = (),
                     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     """From one prefill of ``ids`` (1, T): the producer's pre-rotary keys and values of every layer not in
-    ``skip``, each (T, H_kv * D) fp32, and its residual stream entering each layer (T, hidden)."""
+    ``skip``, each (T, H_kv * D) fp32, and its residual stream entering each layer (T, hidden). Inside
+    :func:`shared_prefill` the prefill of the same producer and ids is done once."""
+    if _SHARED:
+        memo = _SHARED[-1]
+        key = (id(producer), ids.detach().cpu().numpy().tobytes() + str(tuple(ids.shape)).encode())
+        if key not in memo:
+            memo[key] = _producer_states(producer, ids, ())
+        keys, values, resid = memo[key]
+        drop = set(skip)
+        return ({i: k for i, k in keys.items() if i not in drop}, {i: v for i, v in values.items() if i not in drop},
+                resid)
+    return _producer_states(producer, ids, skip)
+
+
+def _producer_states(producer: Any, ids: torch.Tensor, skip: Sequence[int],
+                     ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], dict[int, torch.Tensor]]:
     g, t = geometry(producer), ids.shape[1]
     with torch.inference_mode():
         with capture_inputs(producer, "attn") as h_in, capture_inputs(producer, "layer") as resid:
