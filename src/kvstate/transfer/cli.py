@@ -133,6 +133,14 @@ def generate_command(
                                            "producer is unreachable, its store failed or its payload is refused "
                                            "(corrupt, for other tokens, another method); said on stderr in one "
                                            "line.")] = True,
+    gate: Annotated[bool, typer.Option("--gate/--no-gate", help="Check the decoded cache first: the consumer "
+                                       "recomputes the last context tokens on it and compares its own K/V with the "
+                                       "transferred; above --gate-max-error it prefills itself (a fallback).")] = False,
+    gate_max_error: Annotated[float | None, typer.Option("--gate-max-error", help="The gate's largest accepted "
+                                                         "mean relative K/V error (default: the measured one, "
+                                                         "kvstate.transfer.gate.GateConfig).")] = None,
+    gate_tokens: Annotated[int | None, typer.Option("--gate-tokens", help="Context tokens the gate recomputes "
+                                                    "(default: GateConfig's).")] = None,
 ) -> None:
     """Fetch the prompt's payload from a producer, decode it into the consumer's cache and generate."""
     import json
@@ -145,6 +153,12 @@ def generate_command(
 
     _threads(threads)
     parse_address(server)  # a malformed --server is one line before the model loads
+    gate_config = None
+    if gate:
+        from kvstate.transfer.gate import GateConfig
+
+        given = {k: v for k, v in (("tokens", gate_tokens), ("max_error", gate_max_error)) if v is not None}
+        gate_config = GateConfig(**given)
     registry.get(method, shipped_only=True)
     limit = positions(consumer)
     if not 1 <= max_new_tokens <= (limit or 1 << 20):
@@ -153,7 +167,7 @@ def generate_command(
     ctx = method_context(method, codec_dir, option)
     model, tok = load_pair_model(consumer)
     gen = consumer_generate(model, tok, registry.receiver(method, model, ctx), server, prompt, max_new_tokens,
-                            timeout, fallback=fallback)
+                            timeout, fallback=fallback, gate=gate_config)
     if gen.fallback is not None:  # one line, written directly: a Rich console would wrap it
         sys.stderr.write(f"no payload: {gen.fallback}\n")
         sys.stderr.flush()

@@ -29,6 +29,10 @@ class GateError(KVStateError):
     """A gate setting or input that cannot be checked."""
 
 
+class GateRefused(KVStateError):
+    """The gate refused a transferred cache (the consumer falls back to its own prefill)."""
+
+
 @dataclass(frozen=True)
 class GateConfig:
     """The gate: how many last context tokens the consumer recomputes, and the error it accepts."""
@@ -82,4 +86,4 @@ def read_gate(consumer: Any, cache: Any, ids: torch.Tensor, cfg: GateConfig = Ga
     return GateReading(round(err, 6), tuple(round(e, 6) for e in errors), round(nll, 6), err <= cfg.max_error)
 
 
-__all__ = ["GateConfig", "GateError", "GateReading", "read_gate"]
+__all__ = ["GateConfig", "GateError", "GateReading", "GateRefused", "read_gate"]

@@ -24,6 +24,7 @@ import torch
 
 from kvstate.errors import KVStateError
 from kvstate.transfer.codec import Codec
+from kvstate.transfer.gate import GateConfig, GateRefused, read_gate
 from kvstate.transfer.payload import Payload, PayloadError
 from kvstate.transfer.store import PayloadStore
 from kvstate.transfer.transport import ProducerService, ProducerUnavailable, fetch_payload
@@ -82,15 +83,20 @@ class Generation:
     generate_ms: float  # last prompt token + new tokens on the consumer (the whole prompt after a fallback)
     cached: bool  # the producer answered from its store
     fallback: str | None = None  # why the consumer prefilled the prompt itself (None: it used the payload)
+    gate_error: float | None = None  # the gate's reading of the decoded cache (None: no gate)
+    gate_ms: float = 0.0  # what the gate's check cost
 
 
 def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec | Receiver, server: str, prompt: str,
-                      max_new_tokens: int = 32, timeout: float = 60.0, fallback: bool = True) -> Generation:
+                      max_new_tokens: int = 32, timeout: float = 60.0, fallback: bool = True,
+                      gate: GateConfig | None = None) -> Generation:
     """Fetch the prompt prefix's payload from ``server`` and greedily continue it on ``consumer``.
 
     ``codec``: the codec (or a :class:`Receiver`) the payload is decoded with. ``fallback``: when the
     producer cannot serve (:class:`ProducerUnavailable`) or its payload is refused (:class:`PayloadError`),
-    prefill the prompt on the consumer and give the reason in ``Generation.fallback`` (False: raise)."""
+    prefill the prompt on the consumer and give the reason in ``Generation.fallback`` (False: raise).
+    ``gate``: check the decoded cache first (:mod:`kvstate.transfer.gate`); a cache the gate refuses is a
+    fallback like a refused payload."""
     if not isinstance(prompt, str):
         raise KVStateError(f"prompt must be text, got {type(prompt).__name__}")
     limit = positions(consumer)
@@ -106,23 +112,33 @@ def consumer_generate(consumer: Any, tokenizer: Any, codec: Codec | Receiver, se
                            f"--max-new-tokens <= {max(0, limit - len(ids)):,}")
     check_id_list("--prompt token ids", list(ids), int(consumer.config.vocab_size), error=KVStateError)
     receiver = codec_receiver(consumer, codec) if isinstance(codec, Codec) else codec
+    reading, gate_ms = None, 0.0
     try:
         payload, head = fetch_payload(server, ids[:-1], receiver.pair, timeout)
         t0 = time.perf_counter()
         cache = receiver.decode(payload, ids)
-    except (ProducerUnavailable, PayloadError) as exc:
+        if gate is not None and len(ids) > 3:
+            tg = time.perf_counter()
+            reading = read_gate(consumer, cache, torch.tensor([ids[:-1]]), gate)
+            gate_ms = 1e3 * (time.perf_counter() - tg)
+            if not reading.accept:
+                raise GateRefused(f"the gate refused the transferred cache (K/V error {reading.error:.3f} > "
+                                  f"{gate.max_error:g})")
+    except (ProducerUnavailable, PayloadError, GateRefused) as exc:
         if not fallback:
             raise
         t0 = time.perf_counter()
         new = _generate(consumer, tokenizer, ids, None, max_new_tokens)
         why = f"{exc}; prefilled on the consumer instead"
         return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), 0, len(ids), 0.0, 0.0,
-                          1e3 * (time.perf_counter() - t0), False, fallback=" ".join(why.split()))
+                          1e3 * (time.perf_counter() - t0), False, fallback=" ".join(why.split()),
+                          gate_error=None if reading is None else reading.error, gate_ms=gate_ms)
     t1 = time.perf_counter()
     new = _generate(consumer, tokenizer, ids, cache, max_new_tokens)
     t2 = time.perf_counter()
     return Generation(tokenizer.decode(new, skip_special_tokens=True), len(new), int(head["bytes"]), len(ids),
-                      float(head["wire_ms"]), 1e3 * (t1 - t0), 1e3 * (t2 - t1), bool(head["cached"]))
+                      float(head["wire_ms"]), 1e3 * (t1 - t0), 1e3 * (t2 - t1), bool(head["cached"]),
+                      gate_error=None if reading is None else reading.error, gate_ms=gate_ms)
 
 
 @torch.inference_mode()

@@ -129,6 +129,13 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
         assert res.exit_code == 0, res.output
         out = json.loads(res.output[res.output.rindex('{"text"'):])  # after transformers' loading bar
         assert out["new_tokens"] >= 1 and out["payload_bytes"] > 0 and out["prompt_tokens"] >= 2
+        assert out["gate_error"] is None  # no gate unless asked for
+        # a gate that accepts nothing falls back to the consumer's own prefill, said on stderr
+        gated = CliRunner().invoke(app, [*args[:-1], "--gate", "--gate-max-error", "0", "--gate-tokens", "4"])
+        assert gated.exit_code == 0, gated.output
+        got = json.loads(gated.output[gated.output.rindex('{"text"'):])
+        assert "no payload: the gate refused the transferred cache" in gated.output
+        assert got["payload_bytes"] == 0 and got["gate_error"] > 0 and got["fallback"].startswith("the gate refused")
         # a consumer whose codec is for another pair is refused by fingerprint
         bad = CliRunner().invoke(app, [*args[:2], "--consumer", str(p), *args[4:]])
         assert bad.exit_code != 0 and isinstance(bad.exception, KVStateError)

@@ -190,6 +190,29 @@ def test_a_refused_request_is_not_hidden_by_the_fallback(pair: tuple) -> None:
     assert gen.fallback is None and gen.payload_bytes > 0 and gen.new_tokens == 2
 
 
+def test_the_gate_falls_back_on_a_transfer_it_refuses_and_serves_one_it_accepts(pair: tuple) -> None:
+    """p and c have unrelated weights, so the codec's cache is far from c's own: a strict gate refuses it and the
+    reply is the consumer's own prefill; a gate that accepts any error serves the payload."""
+    from kvstate.transfer.gate import GateConfig, GateRefused
+
+    p, c, codec = pair
+    prompt = " ".join(str(i) for i in range(3, 40))
+    with torch.inference_mode():
+        own = c.generate(torch.tensor([list(range(3, 40))]), max_new_tokens=3, do_sample=False, eos_token_id=0,
+                         pad_token_id=0)[0, 37:].tolist()
+    with ServerThread(producer_service(p, codec, MemoryStore())) as srv:
+        addr = f"127.0.0.1:{srv.port}"
+        strict = consumer_generate(c, _Tok(), codec, addr, prompt, 3, 10, gate=GateConfig(tokens=8, max_error=0.01))
+        loose = consumer_generate(c, _Tok(), codec, addr, prompt, 3, 10, gate=GateConfig(tokens=8, max_error=1e9))
+        with pytest.raises(GateRefused, match="K/V error"):
+            consumer_generate(c, _Tok(), codec, addr, prompt, 3, 10, fallback=False,
+                              gate=GateConfig(tokens=8, max_error=0.01))
+    assert strict.fallback is not None and "the gate refused" in strict.fallback and strict.payload_bytes == 0
+    assert strict.text == " ".join(map(str, own)) and strict.gate_error is not None and strict.gate_error > 0.01
+    assert loose.fallback is None and loose.payload_bytes > 0 and loose.gate_error == strict.gate_error
+    assert loose.gate_ms > 0
+
+
 def test_store_keys_keep_encodings_apart() -> None:
     pair, h = b"p" * 32, b"h" * 32
     keys = {store_key(pair, h), store_key(pair, h, "raw"), store_key(pair, h, "kv4bit")}
