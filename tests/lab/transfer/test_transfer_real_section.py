@@ -27,14 +27,69 @@ def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp
     tables, figures, head = real_section.build(models, tmp_path)
     assert [r[:2] for r in tables[0].rows] == [[m, "niah_single"] for m in METHODS]
     assert tables[0].rows[1][2].startswith("0.20 [") and tables[0].rows[1][3] == "1100"
-    assert len(head) == 1 and head[0].status == "met" and head[0].measured.startswith("-0.800")
+    assert head[0].status == "met" and head[0].measured.startswith("-0.800") and head[1].status == "missing"
     assert tables[1].rows == [["K", "1.000", "0.900", "0.800"], ["V", "0.990", "0.700", "0.500"]]
     assert len(figures) == 1 and (tmp_path / "smollm2_pair_drift.png").is_file()
 
 
 def test_raw_reuse_that_serves_misses_it_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert len(head) == 1 and head[0].status == "missing" and "realpair_eval" in head[0].command
+    assert [h.status for h in head] == ["missing", "missing"] and "realpair_eval" in head[0].command
+    assert "realpair_bench" in head[1].command
     _commit(models, raw_hits=20)
     _, _, head = real_section.build(models, tmp_path)
     assert head[0].status == "missed"
+
+
+def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40) -> None:
+    from kvstate.lab.transfer import realpair_bench as B
+
+    e = B.experiment(Path("a"), Path("b"), Path("c"), ["raw", "droidspeak@0.25"], ("niah_single",), (1024,), n,
+                     1101, 48, {"droidspeak@0.25": "6:13"})
+    e = X.Experiment(**{**e.__dict__, "code": ("lab/scoring.py",), "models": ()})
+
+    def about(err: float, rec: int) -> dict:
+        return {"bytes_per_token": 100.0, "bf16_share": 0.5, "recomputed": rec, "flops_share": rec / 30, "seconds": 1.0,
+                "gate": {"error": err, "nll": 1.0, "layer_errors": [err]}}
+
+    def item(it: X.Item) -> X.ItemResult:
+        return X.ItemResult({B.ORACLE: 1.0, "raw": float(it.index < raw_hits), "droidspeak@0.25": 1.0},
+                            {"methods": {"raw": about(raw_error, 0), "droidspeak@0.25": about(0.3, 7)}})
+
+    recs: list = []
+
+    def keep(it: X.Item) -> X.ItemResult:
+        got = item(it)
+        recs.append({"scores": dict(got.scores), "extra": dict(got.extra)})
+        return got
+
+    X.run_items(e, keep, out=models / real_section.BENCH_FILE,
+                appendix=lambda _j: {"methods": B.summary(recs), "gate": B.gate_summary(recs, 0.1)})
+
+
+def test_the_bench_reads_as_a_table_with_its_decisions_and_the_gates_rates(models, tmp_path):
+    _commit_bench(models, raw_hits=25, raw_error=0.05, n=100)  # raw wrong on 75 of 100 items and the gate serves it
+    tables, figures, head = real_section.build(models, tmp_path)
+    bench = tables[-1]
+    assert [r[:2] for r in bench.rows] == [[m, "niah_single"] for m in ("oracle", "raw", "droidspeak@0.25")]
+    raw = bench.rows[1]
+    assert raw[2].startswith("0.25 [") and raw[3].startswith("-0.75 [") and raw[4] == "0.50" and raw[5] == "0"
+    assert raw[6] == "0.050" and raw[7] == "0.25 (100/100 served)"
+    assert bench.rows[2][7] == "1.00 (0/100 served)" and bench.rows[0][5] == "30 (all)"
+    labels = [h.target for h in head]
+    assert sum("0.95x the oracle" in t for t in labels) == 2
+    by = {h.target.split(" ")[0]: h for h in head if "0.95x" in h.target}
+    assert by["raw"].status == "missed" and by["droidspeak@0.25"].status == "met"
+    gate = [h for h in head if h.target.startswith("the gate")]
+    assert len(gate) == 1 and gate[0].status == "missed" and gate[0].measured.startswith("0.375 [")  # 75 of 200
+    assert (tmp_path / "smollm2_pair_bench.png").is_file() and len(figures) == 1  # no premise file here
+
+
+def test_a_gate_that_refuses_every_bad_transfer_meets_its_target(models, tmp_path):
+    _commit_bench(models, raw_hits=10, raw_error=0.4, n=100)  # the gate refuses raw and DroidSpeak (right on all)
+    _, _, head = real_section.build(models, tmp_path)
+    gate = [h for h in head if h.target.startswith("the gate")][0]
+    assert gate.status == "met" and "false rejects 0.550" in gate.measured  # 10 raw + 100 DroidSpeak of 200
+    _commit_bench(models, raw_hits=10, raw_error=0.4, n=40)  # no bad transfer served, but 80 pairs cannot show <= 2%
+    _, _, head = real_section.build(models, tmp_path)
+    assert [h for h in head if h.target.startswith("the gate")][0].status == "undecided"

@@ -4,8 +4,11 @@ K/V serve the consumer, and how far the consumer's cache drifted (Semantic Cache
 
 Reads the committed ``models/smollm2/pair_premise.json`` (:mod:`kvstate.lab.transfer.realpair_eval`, newest run):
 per task the oracle (the consumer's own prefill), raw reuse and the producer with intervals; the premise's
-decision as a headline row; the per-layer K / V cosine between the two caches as a table and a figure. A missing
-or stale file shows the command that writes it.
+decision as a headline row; the per-layer K / V cosine between the two caches as a table and a figure. Then the
+methods on the pair, ``models/smollm2/pair_bench.json`` (:mod:`kvstate.lab.transfer.realpair_bench`): per method
+and task the score, its paired difference to the oracle, bytes against a bf16 cache, layers recomputed, the gate's
+reading and the gated score; every pre-registered decision (and the gate's, decided by the bench) a headline row;
+score against recomputed share as a figure. A missing or stale file shows the command that writes it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
 
 FILE = "smollm2/pair_premise.json"
+BENCH_FILE = "smollm2/pair_bench.json"
+BENCH_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_bench --n 100 --seed SEED "
+                 "--task niah_single --out models/smollm2/pair_bench.json")
 COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_eval --n 100 --seed SEED "
            "--out models/smollm2/pair_premise.json")
 WHERE = "real pair (SmolLM2 → LoRA fine-tune)"
@@ -38,7 +44,72 @@ def _figure(drift: dict[str, Any], out_dir: Path) -> Figure:
                   f"mean over positions, KV heads and {drift['items']} items")
 
 
+def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Path) -> Figure:
+    fig, axes = plots.figure(0.6, 3.0)
+    ax = axes[0][0]
+    for r in rows:
+        a = about.get(r["method"], {"flops_share": 1.0})
+        ax.errorbar([a["flops_share"]], [r["value"]], yerr=[[r["value"] - r["ci"][0]], [r["ci"][1] - r["value"]]],
+                    fmt="o", ms=4, capsize=2)
+        ax.annotate(r["method"], (a["flops_share"], r["value"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("share of the consumer's layers recomputed (oracle: 1)")
+    ax.set_ylabel("score (RULER string_match_all)")
+    name = plots.save(fig, out_dir, "smollm2_pair_bench.png")
+    return Figure("The real pair: each method's score against the share of layers the consumer recomputes", name,
+                  "95% intervals; the oracle is the consumer's own prefill")
+
+
+def bench(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
+    """The methods on the real pair (``pair_bench.json``): the table, the figure, the headline rows."""
+    art = load_artifact(models_dir / BENCH_FILE, BENCH_COMMAND)
+    if art.run is None:
+        return [], [], [artifact_row(art, WHERE, "the best transfer >= 0.95x the oracle on the solved tasks", "")]
+    run = art.run
+    exp = run.get("experiment") or {}
+    seeds = ", ".join(str(s) for s in exp.get("seeds", []))
+    app = run.get("appendix") or {}
+    about, gate = app.get("methods") or {}, app.get("gate") or {}
+    per_gate = gate.get("methods") or {}
+    solved = set((run.get("pooled") or {}).get("tasks") or [])  # a decision is the paired difference on these
+    diffs = {(d.get("method"), str(t).split("@")[0]): d for d in run.get("decisions") or []
+             if d.get("value") is not None for t in (solved if len(solved) == 1 else ())}
+    rows = run.get("rows") or []
+    body = []
+    for r in rows:
+        a, g = about.get(r["method"], {}), per_gate.get(r["method"], {})
+        d = diffs.get((r["method"], r["task"]))
+        body.append([r["method"], r["task"], f"{r['value']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] ({r['n']})",
+                     f"{d['value']:+.2f} [{d['ci'][0]:+.2f}, {d['ci'][1]:+.2f}]" if d else "",
+                     f"{a['bf16_share']:.2f}" if a else "", f"{a['recomputed']:.0f}" if a else "30 (all)",
+                     f"{a['gate_error']:.3f}" if "gate_error" in a else "",
+                     f"{g['gated']:.2f} ({g['accepted']}/{g['items']} served)" if g else "", seeds, art.status])
+    table = Table(f"Real pair at {', '.join(str(x) for x in exp.get('lengths', []))} tokens: every transfer method "
+                  "against the consumer's own prefill",
+                  ["method", "task", "score [95%] (n)", "− oracle [95%]", "bytes / bf16 cache", "layers recomputed",
+                   "gate reading", f"gated score (gate <= {gate.get('max_error', '')})", "seed", "file"], body,
+                  "RULER string_match_all over greedy replies; bytes are the serialised payload over a bf16 K+V cache "
+                  "of 30 layers; the gate reading is the mean relative K/V error of the last 32 context tokens "
+                  "recomputed by the consumer on the transferred prefix (its own cache reads ~0); the gated score "
+                  "serves the method where the gate accepts and the oracle's own prefill where it refuses")
+    head = [artifact_row(art, WHERE, d["label"], f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
+                         **headline_fields(d))
+            for d in run.get("decisions") or [] if d.get("value") is not None]
+    if gate.get("decision"):
+        fa = f"{gate['false_accept_rate']:.3f} [{gate['false_accept_ci'][0]:.3f}, {gate['false_accept_ci'][1]:.3f}]"
+        head.append(artifact_row(art, WHERE, f"the gate: {gate['target']} (at max error {gate['max_error']})",
+                                 f"{fa}; false rejects {gate['false_reject_rate']:.3f}",
+                                 {"met": True, "missed": False}.get(gate["decision"]), status=gate["decision"],
+                                 n=gate["pairs"]))
+    return [table], [_bench_figure(rows, about, out_dir)] if rows else [], head
+
+
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
+    tables, figures, head = _premise(models_dir, out_dir)
+    bt, bf, bh = bench(models_dir, out_dir)
+    return tables + bt, figures + bf, head + bh
+
+
+def _premise(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     art = load_artifact(models_dir / FILE, COMMAND)
     if art.run is None:
         return [], [], [artifact_row(art, WHERE, "raw reuse <= 0.8x the oracle on the tasks it solves (the premise)",
