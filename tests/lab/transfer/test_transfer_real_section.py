@@ -34,8 +34,8 @@ def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp
 
 def test_raw_reuse_that_serves_misses_it_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.status for h in head] == ["missing", "missing"] and "realpair_eval" in head[0].command
-    assert "realpair_bench" in head[1].command
+    assert [h.status for h in head] == ["missing"] * 3 and "realpair_eval" in head[0].command
+    assert "--task niah_single" in head[1].command and "--task niah_multikey" in head[2].command
     _commit(models, raw_hits=20)
     _, _, head = real_section.build(models, tmp_path)
     assert head[0].status == "missed"
@@ -70,26 +70,26 @@ def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40) ->
 def test_the_bench_reads_as_a_table_with_its_decisions_and_the_gates_rates(models, tmp_path):
     _commit_bench(models, raw_hits=25, raw_error=0.05, n=100)  # raw wrong on 75 of 100 items and the gate serves it
     tables, figures, head = real_section.build(models, tmp_path)
-    bench = tables[-1]
+    bench = tables[0]
     assert [r[:2] for r in bench.rows] == [[m, "niah_single"] for m in ("oracle", "raw", "droidspeak@0.25")]
     raw = bench.rows[1]
     assert raw[2].startswith("0.25 [") and raw[3].startswith("-0.75 [") and raw[4] == "0.50" and raw[5] == "0"
     assert raw[6] == "0.050" and raw[7] == "0.25 (100/100 served)"
     assert bench.rows[2][7] == "1.00 (0/100 served)" and bench.rows[0][5] == "30 (all)"
     labels = [h.target for h in head]
-    assert sum("0.95x the oracle" in t for t in labels) == 2
-    by = {h.target.split(" ")[0]: h for h in head if "0.95x" in h.target}
+    assert sum("0.95x the oracle on the solved" in t for t in labels) == 2  # and the multikey file missing
+    by = {h.target.split(" ")[0]: h for h in head if "0.95x the oracle on the solved" in h.target}
     assert by["raw"].status == "missed" and by["droidspeak@0.25"].status == "met"
     gate = [h for h in head if h.target.startswith("the gate")]
     assert len(gate) == 1 and gate[0].status == "missed" and gate[0].measured.startswith("0.375 [")  # 75 of 200
-    assert (tmp_path / "smollm2_pair_bench.png").is_file() and len(figures) == 1  # no premise file here
+    assert (tmp_path / "smollm2_pair_bench_niah_single.png").is_file() and len(figures) == 1  # no premise file here
 
 
 def test_a_gate_that_refuses_every_bad_transfer_meets_its_target(models, tmp_path):
     _commit_bench(models, raw_hits=10, raw_error=0.4, n=100)  # the gate refuses raw and DroidSpeak (right on all)
     _, _, head = real_section.build(models, tmp_path)
-    gate = [h for h in head if h.target.startswith("the gate")][0]
+    gate = next(h for h in head if h.target.startswith("the gate"))
     assert gate.status == "met" and "false rejects 0.550" in gate.measured  # 10 raw + 100 DroidSpeak of 200
     _commit_bench(models, raw_hits=10, raw_error=0.4, n=40)  # no bad transfer served, but 80 pairs cannot show <= 2%
     _, _, head = real_section.build(models, tmp_path)
-    assert [h for h in head if h.target.startswith("the gate")][0].status == "undecided"
+    assert next(h for h in head if h.target.startswith("the gate")).status == "undecided"

@@ -22,9 +22,13 @@ from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
 
 FILE = "smollm2/pair_premise.json"
-BENCH_FILE = "smollm2/pair_bench.json"
-BENCH_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_bench --n 100 --seed SEED "
-                 "--task niah_single --out models/smollm2/pair_bench.json")
+BENCH_FILES = {"niah_single": "smollm2/pair_bench.json", "niah_multikey": "smollm2/pair_bench_multikey.json"}
+BENCH_FILE = BENCH_FILES["niah_single"]
+
+
+def bench_command(task: str) -> str:
+    return ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_bench --n 100 --seed SEED "
+            f"--task {task} --out models/{BENCH_FILES[task]}")
 COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_eval --n 100 --seed SEED "
            "--out models/smollm2/pair_premise.json")
 WHERE = "real pair (SmolLM2 → LoRA fine-tune)"
@@ -44,7 +48,7 @@ def _figure(drift: dict[str, Any], out_dir: Path) -> Figure:
                   f"mean over positions, KV heads and {drift['items']} items")
 
 
-def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Path) -> Figure:
+def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Path, task: str) -> Figure:
     fig, axes = plots.figure(0.6, 3.0)
     ax = axes[0][0]
     for r in rows:
@@ -54,16 +58,19 @@ def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Pa
         ax.annotate(r["method"], (a["flops_share"], r["value"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
     ax.set_xlabel("share of the consumer's layers recomputed (oracle: 1)")
     ax.set_ylabel("score (RULER string_match_all)")
-    name = plots.save(fig, out_dir, "smollm2_pair_bench.png")
-    return Figure("The real pair: each method's score against the share of layers the consumer recomputes", name,
+    name = plots.save(fig, out_dir, f"smollm2_pair_bench_{task}.png")
+    return Figure(f"The real pair ({task}): each method's score against the share of layers the consumer recomputes",
+                  name,
                   "95% intervals; the oracle is the consumer's own prefill")
 
 
-def bench(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
-    """The methods on the real pair (``pair_bench.json``): the table, the figure, the headline rows."""
-    art = load_artifact(models_dir / BENCH_FILE, BENCH_COMMAND)
+def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
+          ) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
+    """The methods on the real pair for one task class (its own result file): the table, the figure, the headline
+    rows."""
+    art = load_artifact(models_dir / BENCH_FILES[task], bench_command(task))
     if art.run is None:
-        return [], [], [artifact_row(art, WHERE, "the best transfer >= 0.95x the oracle on the solved tasks", "")]
+        return [], [], [artifact_row(art, WHERE, f"the best transfer >= 0.95x the oracle ({task})", "")]
     run = art.run
     exp = run.get("experiment") or {}
     seeds = ", ".join(str(s) for s in exp.get("seeds", []))
@@ -83,30 +90,32 @@ def bench(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], l
                      f"{a['bf16_share']:.2f}" if a else "", f"{a['recomputed']:.0f}" if a else "30 (all)",
                      f"{a['gate_error']:.3f}" if "gate_error" in a else "",
                      f"{g['gated']:.2f} ({g['accepted']}/{g['items']} served)" if g else "", seeds, art.status])
-    table = Table(f"Real pair at {', '.join(str(x) for x in exp.get('lengths', []))} tokens: every transfer method "
-                  "against the consumer's own prefill",
+    table = Table(f"Real pair, {task} at {', '.join(str(x) for x in exp.get('lengths', []))} tokens: every "
+                  "transfer method against the consumer's own prefill",
                   ["method", "task", "score [95%] (n)", "− oracle [95%]", "bytes / bf16 cache", "layers recomputed",
                    "gate reading", f"gated score (gate <= {gate.get('max_error', '')})", "seed", "file"], body,
                   "RULER string_match_all over greedy replies; bytes are the serialised payload over a bf16 K+V cache "
                   "of 30 layers; the gate reading is the mean relative K/V error of the last 32 context tokens "
                   "recomputed by the consumer on the transferred prefix (its own cache reads ~0); the gated score "
                   "serves the method where the gate accepts and the oracle's own prefill where it refuses")
-    head = [artifact_row(art, WHERE, d["label"], f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]",
-                         **headline_fields(d))
+    head = [artifact_row(art, WHERE, f"{d['label']} ({task})",
+                         f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", **headline_fields(d))
             for d in run.get("decisions") or [] if d.get("value") is not None]
     if gate.get("decision"):
         fa = f"{gate['false_accept_rate']:.3f} [{gate['false_accept_ci'][0]:.3f}, {gate['false_accept_ci'][1]:.3f}]"
-        head.append(artifact_row(art, WHERE, f"the gate: {gate['target']} (at max error {gate['max_error']})",
+        head.append(artifact_row(art, WHERE, f"the gate: {gate['target']} (at max error {gate['max_error']}; {task})",
                                  f"{fa}; false rejects {gate['false_reject_rate']:.3f}",
                                  {"met": True, "missed": False}.get(gate["decision"]), status=gate["decision"],
                                  n=gate["pairs"]))
-    return [table], [_bench_figure(rows, about, out_dir)] if rows else [], head
+    return [table], [_bench_figure(rows, about, out_dir, task)] if rows else [], head
 
 
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     tables, figures, head = _premise(models_dir, out_dir)
-    bt, bf, bh = bench(models_dir, out_dir)
-    return tables + bt, figures + bf, head + bh
+    for task in BENCH_FILES:
+        bt, bf, bh = bench(models_dir, out_dir, task)
+        tables, figures, head = tables + bt, figures + bf, head + bh
+    return tables, figures, head
 
 
 def _premise(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
