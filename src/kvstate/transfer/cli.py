@@ -135,7 +135,8 @@ def generate_command(
                                            "line.")] = True,
     gate: Annotated[bool, typer.Option("--gate/--no-gate", help="Check the decoded cache first: the consumer "
                                        "recomputes the last context tokens on it and compares its own K/V with the "
-                                       "transferred; above --gate-max-error it prefills itself (a fallback).")] = False,
+                                       "transferred; above --gate-max-error it prefills itself (a fallback). On by "
+                                       "default: the configuration the real pair's bench measured.")] = True,
     gate_max_error: Annotated[float | None, typer.Option("--gate-max-error", help="The gate's largest accepted "
                                                          "mean relative K/V error (default: the measured one, "
                                                          "kvstate.transfer.gate.GateConfig).")] = None,

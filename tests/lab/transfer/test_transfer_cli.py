@@ -119,7 +119,7 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
     try:
         args = ["transfer", "generate", "--consumer", str(c), "--codec", str(codec_dir), "--server", f"127.0.0.1:{port}",
                 "--prompt", "the cat sat on the mat . answer :", "--max-new-tokens", "4", "--json",
-                "--no-fallback"]  # while the server loads, fail rather than fall back to the consumer's own prefill
+                "--no-fallback", "--no-gate"]  # while the server loads, fail rather than fall back to own prefill
         deadline = time.time() + 90
         while True:
             res = CliRunner().invoke(app, args)
@@ -129,9 +129,9 @@ def test_serve_and_generate_over_loopback(pair_dirs: tuple[Path, Path], codec_di
         assert res.exit_code == 0, res.output
         out = json.loads(res.output[res.output.rindex('{"text"'):])  # after transformers' loading bar
         assert out["new_tokens"] >= 1 and out["payload_bytes"] > 0 and out["prompt_tokens"] >= 2
-        assert out["gate_error"] is None  # no gate unless asked for
+        assert out["gate_error"] is None  # --no-gate
         # a gate that accepts nothing falls back to the consumer's own prefill, said on stderr
-        gated = CliRunner().invoke(app, [*args[:-1], "--gate", "--gate-max-error", "0", "--gate-tokens", "4"])
+        gated = CliRunner().invoke(app, [*args[:-2], "--gate-max-error", "0", "--gate-tokens", "4"])
         assert gated.exit_code == 0, gated.output
         got = json.loads(gated.output[gated.output.rindex('{"text"'):])
         assert "no payload: the gate refused the transferred cache" in gated.output
