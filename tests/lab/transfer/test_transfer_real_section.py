@@ -34,7 +34,7 @@ def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp
 
 def test_raw_reuse_that_serves_misses_it_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.status for h in head] == ["missing"] * 3 and "realpair_eval" in head[0].command
+    assert [h.status for h in head] == ["missing"] * 4 and "realpair_eval" in head[0].command
     assert "--task niah_single" in head[1].command and "--task niah_multikey" in head[2].command
     _commit(models, raw_hits=20)
     _, _, head = real_section.build(models, tmp_path)
@@ -93,3 +93,30 @@ def test_a_gate_that_refuses_every_bad_transfer_meets_its_target(models, tmp_pat
     _commit_bench(models, raw_hits=10, raw_error=0.4, n=40)  # no bad transfer served, but 80 pairs cannot show <= 2%
     _, _, head = real_section.build(models, tmp_path)
     assert next(h for h in head if h.target.startswith("the gate")).status == "undecided"
+
+
+def _ttft_file(models: Path, warm: float, cold: float) -> None:
+    from kvstate.lab.provenance import Recorder, append_run
+
+    def row(m: str, c: float, w: float) -> dict:
+        return {"method": m, "length": 8128, "n": 5, "ttft_ms": {"1": {"cold": c, "warm": w}},
+                "ttft_range_ms": {"1": {"cold": [c * 0.95, c * 1.05], "warm": [w * 0.95, w * 1.05]}},
+                "achieved_gbit_s": {"1": 0.98}, "payload_bytes_per_token": 23040.0}
+
+    path = models / real_section.TTFT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(code=("lab/transfer/real_section.py",), models=(), n=5, seeds=[1102])
+    append_run(path, {"rows": [row("oracle", 60000.0, 60000.0), row("raw", cold, warm)]}, rec.finish())
+
+
+def test_the_real_pairs_ttft_is_a_table_with_a_warm_and_a_cold_row_per_method(models, tmp_path):
+    _ttft_file(models, warm=3000.0, cold=70000.0)
+    tables, _, head = real_section.build(models, tmp_path)
+    assert any("Time to first token" in t.title for t in tables)
+    rows = {h.target.split(" TTFT")[0]: h for h in head if " TTFT " in h.target}
+    assert rows["raw warm"].status == "met" and rows["raw warm"].measured.startswith("20.00x")
+    assert rows["raw cold"].status == "missed"  # 70 s against the oracle's 60 s, the repeats apart
+    _ttft_file(models, warm=40000.0, cold=59000.0)
+    _, _, head = real_section.build(models, tmp_path)
+    rows = {h.target.split(" TTFT")[0]: h for h in head if " TTFT " in h.target}
+    assert rows["raw warm"].status == "missed" and rows["raw cold"].status == "undecided"
