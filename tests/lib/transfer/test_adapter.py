@@ -14,19 +14,7 @@ from kvstate.transfer.adapter import Adapter, AdapterConfig, AdapterError, init_
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.nonlinear import kl_div
 from kvstate.transfer.recompute import suffix_logits
-
-
-def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.lib.transfer.conftest import prompts as _prompts
 
 
 @pytest.fixture(scope="module")

@@ -27,19 +27,7 @@ from kvstate.transfer.nonlinear import (
 )
 from kvstate.transfer.payload import PayloadError
 from kvstate.transfer.states import prefill_states
-
-
-def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.lib.transfer.conftest import prompts as _prompts
 
 
 def _relation(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,13 +24,10 @@ from kvstate.transfer.recompute import (
     recompute_layer,
 )
 from kvstate.transfer.states import capture_inputs, continue_logits, prefill_states
+from tests.lib.transfer.conftest import prompts as _prompts
 
 LAYERS, HIDDEN, HEAD_DIM = 4, 64, 16
 
-
-def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
 
 
 def _model(seed: int = 0, noise: float = 0.0) -> torch.nn.Module:
@@ -41,13 +38,6 @@ def _model(seed: int = 0, noise: float = 0.0) -> torch.nn.Module:
             p.add_(noise * p.std() * torch.randn(p.shape, generator=g))
     return m
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -16,19 +16,7 @@ from kvstate.transfer.methods import MethodContext, MethodError, producer_states
 from kvstate.transfer.nonlinear import MapError
 from kvstate.transfer.ridge import RidgeConfig, RidgeMaps, _Stats, fit_ridge_maps, solve
 from kvstate.transfer.states import build_cache, prefill_states
-
-
-def _prompts(n: int, t: int, seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.lib.transfer.conftest import prompts as _prompts
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,10 @@ from kvstate.transfer import PayloadError
 from kvstate.transfer.calibrate import CalibrationConfig, calibrate_on
 from kvstate.transfer.codec import Codec, CodecConfig, CodecError
 from kvstate.transfer.states import build_cache, continue_logits, prefill_states
+from tests.lib.transfer.conftest import prompts as _prompts
 
 HIDDEN, HEAD_DIM, LAYERS = 64, 16, 2  # the tiny qwen3 of kvstate.models.tiny
 
-
-def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
 
 
 def _perturbed(scale: float) -> torch.nn.Module:
@@ -33,14 +30,6 @@ def _perturbed(scale: float) -> torch.nn.Module:
             p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
     return m
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    """Calibration is many small ops: on a busy 2-core machine two threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

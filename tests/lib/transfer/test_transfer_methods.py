@@ -15,21 +15,11 @@ from kvstate.transfer.codec import Codec
 from kvstate.transfer.methods import MethodContext, MethodError
 from kvstate.transfer.payload import HEADER_BYTES, Payload
 from kvstate.transfer.states import build_cache, continue_logits, prefill_states
+from tests.lib.transfer.conftest import prompts as _prompts
 
 LAYERS = 2  # the tiny qwen3 of kvstate.models.tiny
 
 
-def _prompts(n: int = 8, t: int = 48, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (1, t), generator=g) for _ in range(n)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
