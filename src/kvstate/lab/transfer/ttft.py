@@ -254,12 +254,14 @@ def _wait_ready(servers: dict[str, tuple[str, subprocess.Popen[bytes], Path]], t
 
 
 def _prompts(tokenizer: Any, lengths: Sequence[int], n: int, seed: int) -> dict[int, list[list[int]]]:
-    """``n`` distinct prompts of exactly L tokens (held-out text) per length."""
+    """``n`` distinct prompts of exactly L tokens (held-out text) per length: the workload's text is asked for a
+    little more than L (a tokenizer other than the reference models' may split it into fewer tokens) and cut."""
     from kvstate.lab.workloads.tasks import generate
 
     out = {}
     for length in lengths:
-        ids = [tokenizer(ex.prompt)["input_ids"][:length] for ex in generate("text", length, n, seed, tokenizer)]
+        ids = [tokenizer(ex.prompt)["input_ids"][:length]
+               for ex in generate("text", length + length // 16 + 16, n, seed, tokenizer)]
         if any(len(x) != length for x in ids) or len({tuple(x) for x in ids}) != n:
             raise KVStateError(f"the text workload gave prompts of {sorted({len(x) for x in ids})} tokens at length "
                                f"{length}; pass other --length values")
