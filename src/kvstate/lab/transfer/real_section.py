@@ -111,11 +111,11 @@ def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
 
 
 TTFT_FILE = "smollm2/pair_ttft.json"
-TTFT_METHODS = ("raw", "ridge_layer", "droidspeak")
+TTFT_METHODS = ("raw", "kivi4", "droidspeak")  # DroidSpeak at its 15-layer block, the one at the oracle's quality
 TTFT_COMMAND = ("kvstate transfer ttft --producer models/smollm2-135m-instruct --consumer models/smollm2-135m-ft "
                 "--codec models/codec-smollm2-135m-ft --rate 1 --length 8128 --repeats 5 --methods "
-                f"{','.join(TTFT_METHODS)} --options droidspeak.block=A:B,ridge_layer.artifact="
-                "models/codec-smollm2-135m-ft/ridge_layer.safetensors --seed SEED --out models/smollm2/pair_ttft.json")
+                f"{','.join(TTFT_METHODS)} --options droidspeak.block=5:20 --seed SEED "
+                "--out models/smollm2/pair_ttft.json")
 
 
 def ttft(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
