@@ -64,6 +64,14 @@ def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Pa
                   "95% intervals; the oracle is the consumer's own prefill")
 
 
+def _differences(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """For runs written before the bench kept them: each method's paired difference to the oracle per task, read
+    from the items (a display interval; the decisions stay the loop's)."""
+    from kvstate.lab.transfer.realpair_bench import differences
+
+    return {(d["method"], d["task"]): d for d in differences(records)}
+
+
 def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
           ) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     """The methods on the real pair for one task class (its own result file): the table, the figure, the headline
@@ -77,9 +85,9 @@ def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
     app = run.get("appendix") or {}
     about, gate = app.get("methods") or {}, app.get("gate") or {}
     per_gate = gate.get("methods") or {}
-    solved = set((run.get("pooled") or {}).get("tasks") or [])  # a decision is the paired difference on these
-    diffs = {(d.get("method"), str(t).split("@")[0]): d for d in run.get("decisions") or []
-             if d.get("value") is not None for t in (solved if len(solved) == 1 else ())}
+    diffs = {(d["method"], d["task"]): d for d in app.get("differences") or []}  # every task class (newer runs)
+    if not diffs:
+        diffs = _differences(run.get("items") or [])
     rows = run.get("rows") or []
     body = []
     for r in rows:
