@@ -65,11 +65,22 @@ def _bench_figure(rows: list[dict[str, Any]], about: dict[str, Any], out_dir: Pa
 
 
 def _differences(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    """For runs written before the bench kept them: each method's paired difference to the oracle per task, read
-    from the items (a display interval; the decisions stay the loop's)."""
-    from kvstate.lab.transfer.realpair_bench import differences
+    """Each method's paired difference to the oracle per task class, read from the run's items — every class, the
+    ones the oracle does not solve too (a display interval; the decisions stay the loop's)."""
+    from kvstate.lab.stats import paired_difference
+    from kvstate.lab.transfer.realpair_bench import ORACLE
 
-    return {(d["method"], d["task"]): d for d in differences(records)}
+    cells: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in records:
+        scores = r.get("scores") or {}
+        for m, v in scores.items():
+            if m != ORACLE and ORACLE in scores:
+                cells.setdefault((m, str(r.get("task"))), []).append((float(v), float(scores[ORACLE])))
+    out = {}
+    for key, pairs in cells.items():
+        est = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+        out[key] = {"value": est.value, "ci": [est.lo, est.hi], "n": est.n}
+    return out
 
 
 def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
@@ -85,9 +96,7 @@ def bench(models_dir: Path, out_dir: Path, task: str = "niah_single",
     app = run.get("appendix") or {}
     about, gate = app.get("methods") or {}, app.get("gate") or {}
     per_gate = gate.get("methods") or {}
-    diffs = {(d["method"], d["task"]): d for d in app.get("differences") or []}  # every task class (newer runs)
-    if not diffs:
-        diffs = _differences(run.get("items") or [])
+    diffs = _differences(run.get("items") or [])
     rows = run.get("rows") or []
     body = []
     for r in rows:

@@ -232,25 +232,6 @@ def gate_summary(records: Sequence[Mapping[str, Any]], max_error: float) -> dict
             "methods": per}
 
 
-def differences(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per method, task and length: the paired difference to the oracle on the same items — every task class,
-    those the oracle does not solve too (the loop's decisions cover only the solved ones)."""
-    from kvstate.lab.stats import paired_difference
-
-    cells: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
-    for r in records:
-        scores = r.get("scores") or {}
-        for m, v in scores.items():
-            if m != ORACLE:
-                cells.setdefault((m, str(r.get("task")), int(r.get("length", 0))), []).append((v, scores[ORACLE]))
-    out = []
-    for (m, task, length), pairs in cells.items():
-        est = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
-        out.append({"method": m, "task": task, "length": length, "value": round(est.value, 4),
-                    "ci": [round(est.lo, 4), round(est.hi, 4)], "n": est.n})
-    return out
-
-
 def summary(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Per method: mean bytes per token, share of bf16 raw, recomputed layers and FLOPs share over the items."""
     out: dict[str, Any] = {}
@@ -320,14 +301,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def fn(item: Any) -> Any:
             got = measure(item)
-            kept[item.unit] = {"extra": dict(got.extra), "scores": dict(got.scores), "task": item.task,
-                               "length": item.length}
+            kept[item.unit] = {"extra": dict(got.extra), "scores": dict(got.scores)}
             return got
 
         def appendix(journal: Any) -> dict[str, Any]:
             recs = [journal.get(it.unit) if journal is not None else kept[it.unit] for it in items(e)]
-            return {"methods": summary(recs), "differences": differences(recs),
-                    "gate": gate_summary(recs, GateConfig().max_error)}
+            return {"methods": summary(recs), "gate": gate_summary(recs, GateConfig().max_error)}
 
         doc = run_items(e, fn, out=a.out, overwrite=a.overwrite, say=say, appendix=appendix,
                         command=" ".join(["python -m kvstate.lab.transfer.realpair_bench", *(argv or sys.argv[1:])]))
