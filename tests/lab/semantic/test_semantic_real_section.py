@@ -16,7 +16,7 @@ def _row(method: str, task: str, score: float, mem: float) -> dict:
             "memory_fp32": mem * 0.8}
 
 
-def _commit(models: Path, task: str, seed: int, sekv: float) -> None:
+def _commit(models: Path, task: str, seed: int, sekv: float, grid: real_section.Grid = real_section.READS_8) -> None:
     e = X.Experiment(axis="resolution", name="sekv-real", methods=("full", "sekv@0.125"), seeds=(seed,), tasks=(task,),
                      lengths=(2048,), n=10, code=("lab/scoring.py",),
                      targets=(X.Target("SEKV - full >= -0.05", "sekv@0.125", "difference", -0.05, against="full"),))
@@ -25,8 +25,9 @@ def _commit(models: Path, task: str, seed: int, sekv: float) -> None:
         return X.ItemResult({"full": 1.0, "sekv@0.125": float(it.index < round(sekv * 10))})
 
     rows = [_row("full", task, 1.0, 1.0), _row("sekv@0.125", task, sekv, 0.26)]
-    checks = [{"method": "sekv@0.125", "memory_bf16_max": 0.261 if sekv < 0.5 else 0.31}]
-    X.run_items(e, item, out=models / real_section.FILE,
+    checks = [{"method": "sekv@0.125", "memory_bf16_max": 0.261 if sekv < 0.5 else 0.31,
+               "memory_context_bf16_max": 0.0625 if sekv < 0.5 else 0.07}]
+    X.run_items(e, item, out=models / grid.file,
                 appendix=lambda _j: {"summary": {"rows": rows, "memory_checks": checks}})
 
 
@@ -51,8 +52,23 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
 
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert len(head) == 1 and head[0].status == "missing" and "realmodel" in head[0].command
+    assert [h.technique for h in head] == [real_section.READS_8.where, real_section.MEMORY_16.where]
+    assert all(h.status == "missing" and "realmodel" in h.command for h in head)
+    assert "realmodel16 --set test" in head[1].command and "sekv16_2048.json" in head[1].command
     _commit(models, "real_niah_single", 1100, 1.0)
     _, _, head = real_section.build(models, tmp_path)
     floor = next(h for h in head if h.target.startswith("no task the full cache"))
     assert floor.status == "met"
+
+
+def test_the_16_to_1_grid_is_its_own_table_with_its_cap_on_the_compressed_context(models, tmp_path):
+    _commit(models, "real_niah_single", 1100, 0.2, real_section.MEMORY_16)
+    _commit(models, "real_niah_multikey", 1101, 1.0, real_section.MEMORY_16)
+    tables, figures, head = real_section.build(models, tmp_path)
+    assert len(tables) == 1 and "16:1 of bf16 memory" in tables[0].title  # the 8:1 file is missing: its row only
+    assert (tmp_path / "smollm2_sekv16_2048.png").is_file() and len(figures) == 1
+    caps = [(h.status, h.measured) for h in head if "memory <= 0.0625 x bf16" in h.target]
+    assert caps == [("met", "0.0625 x"), ("missed", "0.0700 x")]
+    assert [h.status for h in head if h.technique == real_section.READS_8.where] == ["missing"]
+    floor = next(h for h in head if h.target.startswith("no task the full cache"))
+    assert floor.technique == real_section.MEMORY_16.where and "(16:1 memory)" in floor.target

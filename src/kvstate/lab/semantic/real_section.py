@@ -11,6 +11,7 @@ scores >= 0.5 on below 0.9x it) as a row. A missing or stale file shows the comm
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +20,52 @@ from kvstate.lab.provenance import Artifact, read_runs
 from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
 
-FILE = "smollm2/sekv_2048.json"
-COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel --set test --task TASK --n 100 --seed SEED "
-           "--out models/smollm2/sekv_2048.json")
-WHERE = "SEKV on the real model (2K, 8:1 reads)"
 FLOOR_AT, FLOOR = 0.5, 0.9
-MEMORY_CAP = 0.30  # issue 48's memory cap at 8:1 reads, every tier over a bf16 full cache
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One result file of :mod:`kvstate.lab.semantic.realmodel` and how the report shows it."""
+
+    file: str  # under models/
+    command: str
+    where: str  # the headline rows' place
+    title: str
+    cap: float  # issue 48's memory cap, over a bf16 full cache
+    cap_key: str  # the memory check's field: "memory_bf16_max" (after the answer) or "memory_context_bf16_max"
+    cap_what: str
+    figure: str
+
+
+READS_8 = Grid("smollm2/sekv_2048.json",
+               "OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel --set test --task TASK --n 100 --seed SEED "
+               "--out models/smollm2/sekv_2048.json",
+               "SEKV on the real model (2K, 8:1 reads)",
+               "Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 8:1 reads: score and bytes over a bf16 full cache "
+               "(fp32 beside)", 0.30, "memory_bf16_max", "every tier, the largest over the items", "smollm2_sekv_2048.png")
+MEMORY_16 = Grid("smollm2/sekv16_2048.json",
+                 "OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel16 --set test --task TASK --n 100 "
+                 "--seed SEED --out models/smollm2/sekv16_2048.json",
+                 "SEKV on the real model (2K, 16:1 memory)",
+                 "Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 16:1 of bf16 memory: query-agnostic retention x "
+                 "a quantized tier against its 16-bit twin, the window and 4-bit KIVI", 0.0625,
+                 "memory_context_bf16_max", "the compressed context, everything held, the largest over the items",
+                 "smollm2_sekv16_2048.png")
+GRIDS = (READS_8, MEMORY_16)
+FILE, COMMAND, WHERE, MEMORY_CAP = READS_8.file, READS_8.command, READS_8.where, READS_8.cap
 PROBE = "smollm2_routing_probe_{task}.json"  # docs/results/: the dev-seed routing probe (lab/semantic/real_routing.py)
 PROBE_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.real_routing --task real_niah_{task} --n 40 "
                  "--seed {seed} --out docs/results/smollm2_routing_probe_{task}.json")
 PROBE_SEEDS = {"single": 484, "multikey": 485}
 
 
-def _artifacts(models_dir: Path) -> list[Artifact]:
+def _artifacts(models_dir: Path, grid: Grid = READS_8) -> list[Artifact]:
     """One artifact per task: the newest run of each (a file holds one run per task)."""
     from kvstate.lab.provenance import load_artifact
 
-    path = models_dir / FILE
+    path = models_dir / grid.file
     if not path.is_file():
-        return [load_artifact(path, COMMAND)]
+        return [load_artifact(path, grid.command)]
     tasks: list[str] = []
     for r in read_runs(path):
         for t in (r.get("experiment") or {}).get("tasks") or []:
@@ -47,14 +75,15 @@ def _artifacts(models_dir: Path) -> list[Artifact]:
     def newest_of(task: str) -> Any:
         return lambda r: task in ((r.get("experiment") or {}).get("tasks") or [])
 
-    return [load_artifact(path, COMMAND, select=newest_of(t)) for t in tasks] or [load_artifact(path, COMMAND)]
+    return [load_artifact(path, grid.command, select=newest_of(t)) for t in tasks] or \
+        [load_artifact(path, grid.command)]
 
 
 def _summary_rows(art: Artifact) -> list[dict[str, Any]]:
     return list((((art.run or {}).get("appendix") or {}).get("summary") or {}).get("rows") or [])
 
 
-def _figure(rows: list[dict[str, Any]], out_dir: Path) -> Figure | None:
+def _figure(rows: list[dict[str, Any]], out_dir: Path, grid: Grid = READS_8) -> Figure | None:
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     if not tasks:
         return None
@@ -70,8 +99,8 @@ def _figure(rows: list[dict[str, Any]], out_dir: Path) -> Figure | None:
         ax.set_title(task, fontsize=9)
     axes[0][0].set_ylabel("score (95% interval)")
     axes[0][-1].legend(fontsize=6, loc="center right")
-    name = plots.save(fig, out_dir, "smollm2_sekv_2048.png")
-    return Figure("SmolLM2 at 2,048 tokens, 8:1 reads: score against memory over a bf16 full cache", name,
+    name = plots.save(fig, out_dir, grid.figure)
+    return Figure(f"{grid.title.split(':')[0]}: score against memory over a bf16 full cache", name,
                   "Wilson 95% intervals, n = 100 per point; the full cache at 1.")
 
 
@@ -80,7 +109,7 @@ def _reference(art: Artifact) -> str:
     return str(((art.run or {}).get("pooled") or {}).get("reference") or "")
 
 
-def _floor(rows: list[dict[str, Any]], art: Artifact) -> HeadlineRow | None:
+def _floor(rows: list[dict[str, Any]], art: Artifact, grid: Grid = READS_8) -> HeadlineRow | None:
     """No task the reference (the full cache) scores >= 0.5 on falls below 0.9x it (each method on its own
     interval)."""
     ref = _reference(art)
@@ -100,8 +129,8 @@ def _floor(rows: list[dict[str, Any]], art: Artifact) -> HeadlineRow | None:
     status = "missed" if fell else "undecided" if open_ else "met"
     measured = "; ".join(fell[:4]) + (f" and {len(fell) - 4} more" if len(fell) > 4 else "") if fell else \
         f"no class below 0.9x ({len(classes)} classes)"
-    return artifact_row(art, WHERE, f"no task the full cache scores >= {FLOOR_AT} on below {FLOOR}x it (8:1 reads)",
-                        measured, status=status)
+    return artifact_row(art, grid.where, f"no task the full cache scores >= {FLOOR_AT} on below {FLOOR}x it "
+                        f"({grid.where.split(', ')[-1].rstrip(')')})", measured, status=status)
 
 
 def _probe_table(models_dir: Path) -> Table | None:
@@ -137,18 +166,21 @@ def _probe_table(models_dir: Path) -> Table | None:
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     probe = _probe_table(models_dir)
     tables, figures, head = _build(models_dir, out_dir)
-    return tables + ([probe] if probe is not None else []), figures, head
+    t16, f16, h16 = _build(models_dir, out_dir, MEMORY_16)
+    return tables + t16 + ([probe] if probe is not None else []), figures + f16, head + h16
 
 
-def _build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
-    arts = _artifacts(models_dir)
+PROMISE = {READS_8.file: "SEKV >= 0.95x full and >= Quest-like-4-bit - 2 points at 8:1 reads, memory <= 0.30x bf16",
+           MEMORY_16.file: "SEKV >= 0.9x full and >= KVzip at equal memory, memory <= 0.0625x bf16"}
+
+
+def _build(models_dir: Path, out_dir: Path, grid: Grid = READS_8) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
+    arts = _artifacts(models_dir, grid)
     present = [a for a in arts if a.run is not None]
     if not present:
-        return [], [], [artifact_row(arts[0], WHERE, "SEKV >= 0.95x full and >= Quest-like-4-bit - 2 points at 8:1 "
-                                     "reads, memory <= 0.30x bf16", "")]
+        return [], [], [artifact_row(arts[0], grid.where, PROMISE[grid.file], "")]
     rows = [r for a in present for r in _summary_rows(a)]
-    table = Table("Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 8:1 reads: score and bytes over a bf16 full "
-                  "cache (fp32 beside)",
+    table = Table(grid.title,
                   ["method", "task", "score [95%] (n)", "memory bf16 mean (max)", "reads bf16", "memory fp32",
                    "seed", "file"],
                   [[r["method"], r["task"], f"{r['score']:.2f} [{r['ci'][0]:.2f}, {r['ci'][1]:.2f}] ({r['n']})",
@@ -163,20 +195,20 @@ def _build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], 
             if d.get("value") is None:
                 continue  # undecided for want of a solved task (shown through the class floor instead)
             measured = f"{d['value']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]"
-            head.append(artifact_row(a, WHERE, d["label"], measured, **headline_fields(d)))
+            head.append(artifact_row(a, grid.where, d["label"], measured, **headline_fields(d)))
         proposed = next((d["method"] for d in (a.run or {}).get("decisions") or []), None)
         checks = (((a.run or {}).get("appendix") or {}).get("summary") or {}).get("memory_checks") or []
         check = next((c for c in checks if c["method"] == proposed), None)
-        if check is not None and check.get("memory_bf16_max") is not None:
-            worst = check["memory_bf16_max"]
-            head.append(artifact_row(a, WHERE, f"{proposed}: memory <= {MEMORY_CAP} x bf16 (every tier, the largest over "
-                                     "the items)", f"{worst:.3f} x", status="met" if worst <= MEMORY_CAP else "missed",
+        if check is not None and check.get(grid.cap_key) is not None:
+            worst = check[grid.cap_key]
+            head.append(artifact_row(a, grid.where, f"{proposed}: memory <= {grid.cap} x bf16 ({grid.cap_what})",
+                                     f"{worst:.{4 if grid.cap < 0.1 else 3}f} x", status="met" if worst <= grid.cap else "missed",
                                      because="bytes counted from the tensors held; a property of the configuration "
                                      "at this length, not a rate"))
-    floor = _floor(rows, present[0])
+    floor = _floor(rows, present[0], grid)
     if floor is not None:
         head.append(floor)
-    figures = [f for f in [_figure(rows, out_dir)] if f is not None]
+    figures = [f for f in [_figure(rows, out_dir, grid)] if f is not None]
     return [table], figures, head
 
 

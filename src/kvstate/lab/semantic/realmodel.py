@@ -37,7 +37,6 @@ from kvstate.semantic.config import RouteQuery
 EXPERIMENT = "sekv-real"
 TASKS = ("real_niah_single", "real_niah_multikey")
 READS = 0.125  # 8:1 reads
-MEMORY16 = 0.0625  # 16:1 of the bf16 context K/V (everything held, counted at compression)
 
 
 @dataclass(frozen=True)
@@ -73,13 +72,6 @@ RUNS = {r.label: r for r in (
     Run("sekv_pages64@0.125", "sekv_pages64", READS),
     Run("sekv_pages32_all@0.125", "sekv_pages32", READS, route_query=ALL),
     Run("sekv_pages32_v2@0.125", "sekv_pages32_v2", READS),
-    # 16:1 of bf16 memory (issue 48): query-agnostic retention by context reconstruction x a few bits
-    # (kvstate.lab.semantic.methods.sekv_zip), its 16-bit twin (KVzip-like, in this process) and StreamingLLM-like
-    Run("sekv_zip@0.0625", "sekv_zip", MEMORY16),
-    Run("sekv_zip_v2@0.0625", "sekv_zip_v2", MEMORY16),
-    Run("sekv_zip8@0.0625", "sekv_zip8", MEMORY16),
-    Run("kvzip_local@0.0625", "kvzip_local", MEMORY16),
-    Run("streaming@0.0625", "streaming", MEMORY16),
 )}
 SETS = {
     "pilot": tuple(RUNS),
@@ -94,15 +86,11 @@ SETS = {
     # the one paged configuration within 0.30 x bf16 memory (4-bit keys, 2-bit values, 32-token pages), the best
     # scoring one (16-token pages, 0.38 x), the equal-memory twin, and whole-cache 4-bit KIVI for its bytes
     "test_pages": ("full", "sekv_pages32_v2@0.125", "sekv_pages16@0.125", "quest4_all@0.125", "kivi@0.25"),
-    # the 16:1 pilot: retention x bits at one memory, the retention alone at 16 bits, the window, 4-bit KIVI
-    "zip": ("full", "sekv_zip@0.0625", "sekv_zip_v2@0.0625", "sekv_zip8@0.0625", "kvzip_local@0.0625",
-            "streaming@0.0625", "kivi@0.25"),
 }
 PROPOSED = "sekv_b2m_all@0.125"  # SEKV's configuration within 0.30 x bf16 memory (the pilot's choice)
 PROPOSED_PAGES = "sekv_pages32_v2@0.125"  # the pages pilot's configuration within 0.30 x bf16 memory
 TWIN = "quest4_all@0.125"  # Quest-like with 4-bit pages, the issue's equal-memory twin
-PAIRS = (("sekv_zip@0.0625", "full"), ("sekv_zip@0.0625", "kvzip_local@0.0625"), ("sekv_zip_v2@0.0625", "full"),
-         ("sekv_zip8@0.0625", "full"), ("kvzip_local@0.0625", "full"), (PROPOSED, "full"), (PROPOSED, TWIN), (PROPOSED, "quest2_all@0.125"), ("sekv@0.125", "full"),
+PAIRS = ((PROPOSED, "full"), (PROPOSED, TWIN), (PROPOSED, "quest2_all@0.125"), ("sekv@0.125", "full"),
          ("sekv@0.125", "quest4@0.125"), ("sekv_all@0.125", "quest4_all@0.125"),
          ("sekv_pages32@0.125", "full"), ("sekv_pages32@0.125", TWIN), ("sekv_pages64@0.125", "full"),
          (PROPOSED_PAGES, "full"), (PROPOSED_PAGES, TWIN), ("sekv_pages16@0.125", "full"),
@@ -197,7 +185,6 @@ class Measure:
             else:
                 cache = m.build(self.model, self.tok, it.context, r.budget, ctx, pre)
             built = time.perf_counter() - t
-            held = bf16.counts(cache)  # the compressed context alone, before the question is fed
             work = m.fork(cache, r.budget, ctx)
             with m.attention(self.model):
                 pred, dt, steps = bench._answer(self.model, work, it.questions[0], len(it.context),
@@ -207,7 +194,6 @@ class Measure:
             b16 = bf16.counts(work)
             extra[lab] = {"reply": pred[:200], "fp32": _ratios(b32, b32.full_bytes),
                           "bf16": _ratios(b16, b16.full_bytes), "read_ratio_peak": round(ratio, 5),
-                          "memory_context_bf16": round(held.total_bytes / max(held.full_bytes, 1), 5),
                           "bytes_fp32": b32.as_dict(), "bytes_bf16": b16.as_dict(),
                           "expanded": m.expanded(work), "bits": getattr(cache, "bits", None),
                           "build_s": round(built, 2), "decode_s": round(dt, 3), "steps": steps,
@@ -234,8 +220,6 @@ def summary(e: Any, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             for k in ("memory", "resident", "reads"):
                 row[f"{k}_{kind}"] = round(sum(x[kind][k] for x in g) / len(g), 4)
             row[f"memory_{kind}_max"] = round(max(x[kind]["memory"] for x in g), 4)
-        if all("memory_context_bf16" in x for x in g):
-            row["memory_context_bf16"] = round(max(x["memory_context_bf16"] for x in g), 4)
         row["seconds_per_item"] = round(sum(x["seconds"] for x in g) / len(g), 2)
         bits = {x["bits"] for x in g if x["bits"] is not None}
         if bits:
@@ -260,12 +244,8 @@ def summary(e: Any, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for lab in e.methods:
         worst = max((row["memory_bf16_max"] for row in rows if row["method"] == lab), default=None)
         reads = max((x["bf16"]["reads"] for r in records for x in [r["extra"][lab]]), default=None)
-        check: dict[str, Any] = {"method": lab, "memory_bf16_max": worst, "reads_bf16_max": reads,
-                                 "memory_le_0.30_bf16": worst is not None and worst <= MEMORY_BF16}
-        ctx = [r["extra"][lab]["memory_context_bf16"] for r in records if "memory_context_bf16" in r["extra"][lab]]
-        if ctx and RUNS[lab].budget == MEMORY16:  # 16:1: the compressed context within 0.0625 x its bf16 K/V
-            check.update({"memory_context_bf16_max": max(ctx), "memory_context_le_0.0625_bf16": max(ctx) <= MEMORY16})
-        checks.append(check)
+        checks.append({"method": lab, "memory_bf16_max": worst, "reads_bf16_max": reads,
+                       "memory_le_0.30_bf16": worst is not None and worst <= MEMORY_BF16})
     return {"rows": rows, "pairs": pairs, "solved": None if split is None else split.solved,
             "excluded": None if split is None else split.excluded, "memory_checks": checks}
 
