@@ -27,7 +27,7 @@ def _commit(models: Path, task: str, seed: int, sekv: float, grid: real_section.
     rows = [_row("full", task, 1.0, 1.0), _row("sekv@0.125", task, sekv, 0.26)]
     checks = [{"method": "sekv@0.125", "memory_bf16_max": 0.261 if sekv < 0.5 else 0.31,
                "memory_context_bf16_max": 0.0625 if sekv < 0.5 else 0.07}]
-    X.run_items(e, item, out=models / grid.file,
+    X.run_items(e, item, out=models / grid.file.format(task=task.removeprefix("real_niah_")),
                 appendix=lambda _j: {"summary": {"rows": rows, "memory_checks": checks}})
 
 
@@ -54,7 +54,8 @@ def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_p
     _, _, head = real_section.build(models, tmp_path)
     assert [h.technique for h in head] == [real_section.READS_8.where, real_section.MEMORY_16.where]
     assert all(h.status == "missing" and "realmodel" in h.command for h in head)
-    assert "realmodel16 --set test" in head[1].command and "sekv16_2048.json" in head[1].command
+    assert "realmodel16 --set test --task real_niah_single" in head[1].command
+    assert "sekv16_2048_single.json" in head[1].command
     _commit(models, "real_niah_single", 1100, 1.0)
     _, _, head = real_section.build(models, tmp_path)
     floor = next(h for h in head if h.target.startswith("no task the full cache"))

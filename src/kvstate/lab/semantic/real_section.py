@@ -11,6 +11,7 @@ scores >= 0.5 on below 0.9x it) as a row. A missing or stale file shows the comm
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ FLOOR_AT, FLOOR = 0.5, 0.9
 class Grid:
     """One result file of :mod:`kvstate.lab.semantic.realmodel` and how the report shows it."""
 
-    file: str  # under models/
+    file: str  # under models/; "{task}" in it: one file per task (runs that go side by side), named by TASKS
     command: str
     where: str  # the headline rows' place
     title: str
@@ -43,9 +44,10 @@ READS_8 = Grid("smollm2/sekv_2048.json",
                "SEKV on the real model (2K, 8:1 reads)",
                "Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 8:1 reads: score and bytes over a bf16 full cache "
                "(fp32 beside)", 0.30, "memory_bf16_max", "every tier, the largest over the items", "smollm2_sekv_2048.png")
-MEMORY_16 = Grid("smollm2/sekv16_2048.json",
-                 "OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel16 --set test --task TASK --n 100 "
-                 "--seed SEED --out models/smollm2/sekv16_2048.json",
+TASKS = ("single", "multikey")  # real_niah_<task>
+MEMORY_16 = Grid("smollm2/sekv16_2048_{task}.json",
+                 "OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel16 --set test --task real_niah_{task} "
+                 "--n 100 --seed SEED --out models/smollm2/sekv16_2048_{task}.json",
                  "SEKV on the real model (2K, 16:1 memory)",
                  "Real model (SmolLM2-135M-Instruct) at 2,048 tokens, 16:1 of bf16 memory: query-agnostic retention x "
                  "a quantized tier against its 16-bit twin, the window and 4-bit KIVI", 0.0625,
@@ -63,6 +65,10 @@ def _artifacts(models_dir: Path, grid: Grid = READS_8) -> list[Artifact]:
     """One artifact per task: the newest run of each (a file holds one run per task)."""
     from kvstate.lab.provenance import load_artifact
 
+    if "{task}" in grid.file:  # one file per task: each file's newest run, the missing ones shown as such
+        arts = [a for t in TASKS for a in _artifacts(models_dir, Grid(grid.file.format(task=t), grid.command.format(
+            task=t), *dataclasses.astuple(grid)[2:]))]
+        return [a for a in arts if a.run is not None] or arts[:1]
     path = models_dir / grid.file
     if not path.is_file():
         return [load_artifact(path, grid.command)]
