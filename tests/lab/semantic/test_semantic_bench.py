@@ -146,13 +146,6 @@ def _written_out(method, model, tok, items, budget, seg):
         CodePage32V2Cache,
         CodePage64Cache,
     )
-    from kvstate.lab.semantic.methods.sekv_zip import (
-        Zip4Cache,
-        Zip8Cache,
-        Zip16Cache,
-        Zip42Cache,
-        reconstruction_scores,
-    )
     from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
     from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL
@@ -170,14 +163,17 @@ def _written_out(method, model, tok, items, budget, seg):
                 kind = {"quest": QuestCache, "quest4": QuestQuant4Cache, "quest2": QuestQuant2Cache,
                         "streaming": WindowCache, "window": WindowCache, "kivi": KiviCache,
                         "sekv_pages16": CodePage16Cache, "sekv_pages32": CodePage32Cache,
-                        "sekv_pages64": CodePage64Cache, "sekv_pages32_v2": CodePage32V2Cache, "sekv_zip": Zip4Cache,
-                        "sekv_zip_v2": Zip42Cache, "sekv_zip8": Zip8Cache, "kvzip_local": Zip16Cache,
-                        }.get(method, SemanticCache)
+                        "sekv_pages64": CodePage64Cache, "sekv_pages32_v2": CodePage32V2Cache}.get(method, SemanticCache)
                 cache = kind(model, None, cfg)
+                if method.startswith(("sekv_zip", "kvzip")):  # the library's retention at the method's bits
+                    from kvstate.semantic.retention import RetainedCache
+
+                    cache = RetainedCache(model, methods.get(method).retention(budget, methods.Context(None, seg)))
             logits = model(input_ids=ctx, position_ids=torch.arange(tc)[None], cache=cache).logits
             if method.startswith(("sekv_zip", "kvzip")):  # scored on its own full-resolution prefill
-                cache.scores = reconstruction_scores(model, tok, it.context, cache)
-                cache.compress()
+                from kvstate.semantic.retention import reconstruction_scores
+
+                cache.compress(reconstruction_scores(model, tok, cache, it.context))
             elif method.startswith("sekv") and not method.startswith("sekv_pages"):
                 cache.compress(surprisal(logits, ctx))
             elif method == "sentencekv":

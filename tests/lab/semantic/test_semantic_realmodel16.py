@@ -108,3 +108,31 @@ def test_a_masking_press_is_counted_by_the_keys_attention_can_still_read():
     per_key = 2 * 4 * 4  # K and V of one head and token, fp32
     assert runner._bytes(cache) == 2 * 2 * 10 * per_key and runner._masked(model, cache) == 7 * per_key
     assert runner._held(model, cache) == (40 - 7) * per_key
+
+
+def test_the_zip_methods_are_the_library_retention_at_their_bits_and_hold_their_bf16_memory():
+    import torch
+    from transformers import DynamicCache
+
+    from kvstate.lab.semantic import bf16
+    from kvstate.semantic import SegmentConfig
+
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(0))
+    pre = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=torch.arange(150)[None], cache=pre)
+
+    class Tok:
+        def encode(self, text, add_special_tokens=False):
+            return [5, 6]
+
+    ctx = registry.Context(None, SegmentConfig(sinks=2, recent=8))
+    want = {"sekv_zip": (4, 4), "sekv_zip_v2": (4, 2), "sekv_zip8": (8, 8), "kvzip_local": (16, 16)}
+    for name, bits in want.items():
+        m = registry.get(name)
+        r = m.retention(0.3, ctx)
+        assert (r.bits, r.v_bits, r.memory, r.sinks, r.recent) == (*bits, 0.3, 2, 8)
+        cache = m.build(model, Tok(), ids[0].tolist(), 0.3, ctx, registry.Prefilled(pre, torch.zeros(150)))
+        held = bf16.counts(cache)
+        assert 0 < held.total_bytes <= 0.3 * held.full_bytes

@@ -4,9 +4,9 @@ kvpress's presses, its own 16-bit twin and the window, at equal memory.
 The real model (``models/smollm2-135m-instruct``) on its real-text needle tasks, through the lab's item-major loop
 (:func:`kvstate.lab.experiment.run_items`: one prefill per item shared by every in-process method, the seed ledger
 before the weights load, a journal so an interrupted run resumes, pre-registered targets decided on paired
-intervals). Methods: the registry's ``sekv_zip*`` (:mod:`kvstate.lab.semantic.methods.sekv_zip`: retention scored
-by context reconstruction after KVzip, arXiv 2505.23416, kept tokens at 4 / 2 / 8 bits), ``kvzip_local`` (the same
-retention at 16 bits), ``streaming`` (sinks + recent window), whole-cache 4-bit ``kivi`` (for its bytes, not at equal
+intervals). Methods: the registry's ``sekv_zip*`` (:mod:`kvstate.lab.semantic.methods.sekv_zip`, the library's
+:mod:`kvstate.semantic.retention` at its bits: retention scored by context reconstruction after KVzip, arXiv
+2505.23416, kept tokens at 4 / 2 / 8 bits), ``kvzip_local`` (the same retention at 16 bits), ``streaming`` (sinks + recent window), whole-cache 4-bit ``kivi`` (for its bytes, not at equal
 memory); and kvpress presses by class name (``KVzipPress``, ``SnapKVPress``, ...), run item by item in kvpress's own
 environment (:mod:`kvstate.lab.semantic.kvpress_worker`) at ``compression_ratio = 1 - 0.0625``.
 
