@@ -19,6 +19,7 @@ TRANSFORMERS_ELSEWHERE = {
     "depth/sharing.py": "sets transformers' own kv_sharing_modes so DynamicCache(config=...) holds owners only",
     "semantic/attention.py": "registers mixed-resolution attention through transformers' AttentionInterface",
     "semantic/cache.py": "SemanticCache subclasses transformers' Cache so model.generate accepts it",
+    "semantic/retention.py": "registers the reconstruction-scoring attention through transformers' AttentionInterface",
     "prefix/segments.py": "assembles stored KV segments into transformers' DynamicCache / DynamicLayer",
     "transfer/states.py": "builds the consumer's DynamicCache from decoded K/V",
     "transfer/recompute.py": "returns the consumer's DynamicCache with the recomputed layer's K/V filled in",
