@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvstate.lab import experiment as X
+from kvstate.lab import provenance as P
 from kvstate.lab.semantic import real_section
 
 
@@ -52,8 +53,9 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
 
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.technique for h in head] == [real_section.READS_8.where, real_section.MEMORY_16.where]
-    assert all(h.status == "missing" and "realmodel" in h.command for h in head)
+    assert [h.technique for h in head] == [real_section.READS_8.where, real_section.MEMORY_16.where] + [
+        real_section.DECODE_WHERE] * 2
+    assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:2])
     assert "realmodel16 --set test --task real_niah_single" in head[1].command
     assert "sekv16_2048_single.json" in head[1].command
     _commit(models, "real_niah_single", 1100, 1.0)
@@ -73,3 +75,25 @@ def test_the_16_to_1_grid_is_its_own_table_with_its_cap_on_the_compressed_contex
     assert [h.status for h in head if h.technique == real_section.READS_8.where] == ["missing"]
     floor = next(h for h in head if h.target.startswith("no task the full cache"))
     assert floor.technique == real_section.MEMORY_16.where and "(16:1 memory)" in floor.target
+
+
+def _timing(models: Path, length: int, ratios: list[float]) -> None:
+    file, seed, n = real_section.DECODE[length]
+    full = [50.0] * len(ratios)
+    sekv = [50.0 * r for r in ratios]
+    res = {"full": {"ms_per_token_rounds": full, "median": 50.0},
+           "sekv_zip": {"ms_per_token_rounds": sekv, "median": sorted(sekv)[len(sekv) // 2],
+                        "ratio_to_reference": {"median": sorted(ratios)[len(ratios) // 2], "min": min(ratios),
+                                               "max": max(ratios)}}}
+    rec = P.Recorder(code=("lab/semantic/timing.py",), n=n, seeds=[seed], tasks=["real_niah_single"], lengths=[length],
+                     settings={"timing": True, "repeats": len(ratios)})
+    P.append_run(models / file, {"timing": res}, rec.finish())
+
+
+def test_decode_cost_is_decided_per_length_from_the_rounds_ratio_range(models, tmp_path):
+    _timing(models, 4096, [0.9, 0.95, 0.92, 0.91, 0.93])  # every round under the cap
+    _timing(models, 8192, [1.1, 1.3, 1.15, 1.2, 1.25])  # straddles 1.2x
+    rows = real_section.decode_rows(models)
+    assert [(r.status, r.repeats, r.timing) for r in rows] == [("met", 5, True), ("undecided", 5, True)]
+    assert rows[0].measured.startswith("0.92x [0.90, 0.95] over 5 interleaved rounds") and "4,096" in rows[0].target
+    assert rows[1].ci == (1.1, 1.3) and rows[1].seeds == (1100,)

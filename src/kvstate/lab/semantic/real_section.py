@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstate.lab import stats
 from kvstate.lab.experiment import headline_fields
-from kvstate.lab.provenance import Artifact, read_runs
+from kvstate.lab.provenance import Artifact, load_artifact, read_runs
 from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
 
@@ -173,7 +174,43 @@ def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], l
     probe = _probe_table(models_dir)
     tables, figures, head = _build(models_dir, out_dir)
     t16, f16, h16 = _build(models_dir, out_dir, MEMORY_16)
-    return tables + t16 + ([probe] if probe is not None else []), figures + f16, head + h16
+    return tables + t16 + ([probe] if probe is not None else []), figures + f16, head + h16 + decode_rows(models_dir)
+
+
+# issue 48's decode cost at 16:1 of memory: one timing run per length, each on its own test seed
+DECODE = {4096: ("smollm2/sekv16_decode.json", 1099, 2), 8192: ("smollm2/sekv16_decode_8192.json", 1100, 1)}
+DECODE_CAP = 1.2  # SEKV <= 1.2x the full cache's ms/token
+DECODE_WHERE = "SEKV on the real model (decode, 16:1 memory)"
+
+
+def decode_command(length: int) -> str:
+    file, seed, n = DECODE[length]
+    return (f"python -m kvstate.lab.semantic.timing --model models/smollm2-135m-instruct --router none "
+            f"--task real_niah_single --length {length} --budget 0.0625 --methods full,sekv_zip,kvzip_local "
+            f"--n {n} --repeats 5 --seed {seed} --out models/{file}")
+
+
+def decode_rows(models_dir: Path, proposed: str = "sekv_zip") -> list[HeadlineRow]:
+    """``proposed``'s ms / token over the full cache's, per round of one interleaved timing run at each length
+    (question pass and greedy answer), decided from the rounds' min / max ratio against :data:`DECODE_CAP`."""
+    rows = []
+    for length, (file, _, _) in DECODE.items():
+        art = load_artifact(models_dir / file, decode_command(length))
+        target = f"{proposed} at 16:1 of bf16 memory, decode at {length:,} tokens: ms/token <= {DECODE_CAP}x full's"
+        row = ((art.run or {}).get("timing") or {}).get(proposed)
+        if art.run is None or row is None or "ratio_to_reference" not in row:
+            rows.append(artifact_row(art, DECODE_WHERE, target, "" if art.run is None else f"no {proposed} row",
+                                     **({} if art.run is None else {"status": "missing"})))
+            continue
+        r, repeats = row["ratio_to_reference"], len(row["ms_per_token_rounds"])
+        full = art.run["timing"]["full"]
+        measured = (f"{r['median']:.2f}x [{r['min']:.2f}, {r['max']:.2f}] over {repeats} interleaved rounds "
+                    f"({row['median']:.1f} vs {full['median']:.1f} ms/token, one thread)")
+        status = (stats.decide(r["min"], r["max"], DECODE_CAP, higher_is_better=False) if repeats >= stats.MIN_REPEATS
+                  else "undecided")
+        rows.append(artifact_row(art, DECODE_WHERE, target, measured, status=status, ci=(r["min"], r["max"]), repeats=repeats,
+                                 timing=True))
+    return rows
 
 
 PROMISE = {READS_8.file: "SEKV >= 0.95x full and >= Quest-like-4-bit - 2 points at 8:1 reads, memory <= 0.30x bf16",
