@@ -1,7 +1,11 @@
 """Shared fixtures of the resolution benchmark's tests."""
 
+import os
+from pathlib import Path
+
 import pytest
 
+from kvstate.lab.semantic.baselines_kvpress import ensure_env
 from kvstate.lab.workloads import build_tokenizer
 from kvstate.models import tiny_model
 
@@ -15,3 +19,15 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d, model, tok
+
+
+KVPRESS_VENV = Path(__file__).resolve().parents[3] / ".venv-kvpress"
+
+
+@pytest.fixture
+def kvpress_python():
+    """kvpress's own interpreter. `make test` creates .venv-kvpress; under CI its absence is a failure (a missing
+    install step), elsewhere a skip."""
+    if not (KVPRESS_VENV / "bin" / "python").is_file() and not os.environ.get("CI"):
+        pytest.skip("no .venv-kvpress (kvpress's own env; `make test` creates it)")
+    return ensure_env(KVPRESS_VENV, create=False)

@@ -3,9 +3,7 @@ in budget, a press that could not run is recorded as not run (never 0), a real k
 isolated environment exists, and one clear error for a router of another model."""
 
 import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +19,6 @@ from kvstate.semantic import SegmentConfig, SemanticConfig, semantic_attention
 
 T = 150
 SEG = SegmentConfig(sinks=2, recent=8)
-KVPRESS_VENV = Path(__file__).resolve().parents[3] / ".venv-kvpress"
 
 
 def _ids(seed, n):
@@ -132,20 +129,13 @@ def test_a_router_for_another_model_is_one_clear_error(tmp_path):
     assert "trained for a model with fingerprint" in str(r.exception) and "kvstate semantic train" in str(r.exception)
 
 
-# `make test` creates .venv-kvpress; under CI its absence is a failure (a missing install step), not a skip
-@pytest.mark.skipif(not (KVPRESS_VENV / "bin" / "python").is_file() and not os.environ.get("CI"),
-                    reason="no .venv-kvpress (kvpress's own env; `make test` creates it)")
-def test_real_kvpress_evicting_presses_report_kept_bytes(tmp_path):
-    py = ensure_env(KVPRESS_VENV, create=False)
-    tok = build_tokenizer()
-    model = tiny_model("qwen3", vocab_size=len(tok))
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+def test_real_kvpress_evicting_presses_report_kept_bytes(model_dir, kvpress_python, tmp_path):
+    d, _, tok = model_dir
     items = build_items(tok, "niah_single", 128, 1, 0)
-    got, errors = run_presses(py, tmp_path / "m", items, ["StreamingLLMPress", "KnormPress"], [0.25], tmp_path / "w")
+    got, errors = run_presses(kvpress_python, d, items, ["StreamingLLMPress", "KnormPress"], [0.25], tmp_path / "w")
     assert not errors and {o.method for o in got} == {"streaming_llm_press", "knorm_press"}
     assert all(o.resident_bytes == o.total_bytes == o.attended_bytes_peak < 0.4 * o.full_bytes for o in got)
-    assert sys.executable != str(py)
+    assert sys.executable != str(kvpress_python)
 
 
 def test_sentence_segmentation_packs_whole_sentences_into_spans():

@@ -4,7 +4,6 @@ equal-memory baseline and checks the compressed context against 0.0625 x bf16; t
 item in kvpress's own environment, counts a masking press (KVzip) by what attention can still read, and a runner
 that dies is one error naming its stderr."""
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,13 +12,10 @@ import pytest
 from kvstate.lab import experiment as X
 from kvstate.lab.semantic import methods as registry
 from kvstate.lab.semantic import realmodel16 as R
-from kvstate.lab.semantic.baselines_kvpress import KVPressEnvError, ensure_env
+from kvstate.lab.semantic.baselines_kvpress import KVPressEnvError
 from kvstate.lab.semantic.kvpress_worker import PressWorker, is_press
 from kvstate.lab.semantic.protocol import build_items
-from kvstate.lab.workloads import build_tokenizer
 from kvstate.models import tiny_model
-
-KVPRESS_VENV = Path(__file__).resolve().parents[3] / ".venv-kvpress"
 
 
 def test_every_set_names_a_registered_method_or_a_press():
@@ -68,18 +64,11 @@ def test_a_runner_that_dies_is_one_error_naming_its_stderr(tmp_path):
         PressWorker(fake, tmp_path).start()
 
 
-# `make test` creates .venv-kvpress; under CI its absence is a failure (a missing install step), not a skip
-@pytest.mark.skipif(not (KVPRESS_VENV / "bin" / "python").is_file() and not os.environ.get("CI"),
-                    reason="no .venv-kvpress (kvpress's own env; `make test` creates it)")
-def test_the_worker_answers_item_by_item_and_counts_masked_keys_as_dropped(tmp_path):
-    py = ensure_env(KVPRESS_VENV, create=False)
-    tok = build_tokenizer()
-    model = tiny_model("qwen3", vocab_size=len(tok))
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
+def test_the_worker_answers_item_by_item_and_counts_masked_keys_as_dropped(model_dir, kvpress_python):
+    d, _, tok = model_dir
     items = build_items(tok, "niah_single", 128, 2, 0)
-    with PressWorker(py, tmp_path / "m") as w:
-        assert w.versions["transformers"] and sys.executable != str(py)
+    with PressWorker(kvpress_python, d) as w:
+        assert w.versions["transformers"] and sys.executable != str(kvpress_python)
         for it in items:
             rows = w.run(it, ["StreamingLLMPress", "NoSuchPress"], [0.25])
             by = {r["press"]: r for r in rows}
