@@ -53,9 +53,9 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
 
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.technique for h in head] == [real_section.READS_8.where, real_section.MEMORY_16.where] + [
-        real_section.DECODE_WHERE] * 2
-    assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:2])
+    assert [h.technique for h in head] == [g.where for g in real_section.GRIDS] + [real_section.DECODE_WHERE] * 2
+    assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:3])
+    assert "--length 4096" in head[2].command and "sekv16_4096_single.json" in head[2].command
     assert "realmodel16 --set test --task real_niah_single" in head[1].command
     assert "sekv16_2048_single.json" in head[1].command
     _commit(models, "real_niah_single", 1100, 1.0)
@@ -97,3 +97,14 @@ def test_decode_cost_is_decided_per_length_from_the_rounds_ratio_range(models, t
     assert [(r.status, r.repeats, r.timing) for r in rows] == [("met", 5, True), ("undecided", 5, True)]
     assert rows[0].measured.startswith("0.92x [0.90, 0.95] over 5 interleaved rounds") and "4,096" in rows[0].target
     assert rows[1].ci == (1.1, 1.3) and rows[1].seeds == (1100,)
+
+
+def test_the_4k_grid_is_its_own_table_and_its_missing_task_is_not_a_row(models, tmp_path):
+    _commit(models, "real_niah_single", 1100, 1.0, real_section.MEMORY_16_4K)
+    tables, _, head = real_section.build(models, tmp_path)
+    assert [t.title.split(" at ")[1][:5] for t in tables] == ["4,096"]  # the 2K files are missing: their rows only
+    mine = [h for h in head if h.technique == real_section.MEMORY_16_4K.where]
+    assert all(h.status != "missing" and h.artifact.endswith("sekv16_4096_single.json") for h in mine)
+    assert {h.target for h in mine} >= {"SEKV - full >= -0.05", "sekv@0.125: memory <= 0.0625 x bf16 (the compressed "
+                                        "context, everything held, the largest over the items)"}
+    assert [h.status for h in head if h.technique == real_section.MEMORY_16.where] == ["missing"]
