@@ -141,3 +141,26 @@ def test_the_digest_covers_what_the_run_imported_and_its_driver_script(tmp_path,
     art = P.load_artifact(path, "cmd")
     assert art.status == "stale" and "drive.py" in art.reason
     assert P.Recorder(code=()).finish()["executed"]["digest"] != prov["executed"]["digest"]
+
+
+def test_provenance_and_ledger_do_not_import_each_other_at_module_level():
+    """Issue 42 item 10: the recorder and the seed ledger share the result-file layer (``results_file``) and
+    neither imports the other when loaded (``append_run`` reaches the ledger inside the call)."""
+    import ast
+
+    def top_imports(rel: str) -> set[str]:
+        tree = ast.parse((P.REPO / rel).read_text())
+        names = set()
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names.update(a.name for a in node.names)
+        return names
+
+    prov, ledger = top_imports("src/kvstate/lab/provenance.py"), top_imports("src/kvstate/lab/ledger.py")
+    low = top_imports("src/kvstate/lab/results_file.py")
+    assert "kvstate.lab.ledger" not in prov and "kvstate.lab.provenance" not in ledger
+    assert "kvstate.lab.results_file" in prov and "kvstate.lab.results_file" in ledger
+    assert not {m for m in low if m.startswith("kvstate.lab")}
+    assert P.read_runs is __import__("kvstate.lab.results_file", fromlist=["read_runs"]).read_runs

@@ -42,8 +42,8 @@ from typing import Any
 from kvstate.errors import InputFileError, KVStateError
 from kvstate.io_safety import write_text_atomic
 from kvstate.lab import protocol
-from kvstate.lab.provenance import FORMAT as RESULTS_FORMAT
-from kvstate.lab.provenance import REPO, read_runs
+from kvstate.lab.results_file import FORMAT as RESULTS_FORMAT
+from kvstate.lab.results_file import REPO, read_runs
 
 FORMAT = "kvstate-seeds/1"
 LEDGER_NAME = "seeds_used.json"

@@ -47,16 +47,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from kvstate.errors import InputFileError
 from kvstate.io_safety import write_text_atomic
+from kvstate.lab.results_file import FORMAT, REPO, SRC, read_runs
 
-FORMAT = "kvstate-results/1"
-SRC = Path(__file__).resolve().parents[1]  # src/kvstate
-REPO = SRC.parents[1]
 SCRIPT_DIRS = (REPO / "benchmarks", REPO / "scripts")  # driver scripts whose edits make a result stale
 # executed files that record, check or present a run and never compute a measured value: their edits leave results
 # current (each is tested not to be imported by a measurement for anything but recording and checking)
 PRESENTATION = frozenset({"src/kvstate/lab/provenance.py", "src/kvstate/lab/ledger.py", "src/kvstate/lab/progress.py",
+                          "src/kvstate/lab/results_file.py",
                           "src/kvstate/lab/report/html.py", "src/kvstate/lab/report/plots.py",
                           "src/kvstate/lab/report/docs.py"})
 MODEL_JSON = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -218,27 +216,6 @@ class Recorder:
             "models": dict(self._digests[1]),
             **environment(),
         }
-
-
-def read_runs(path: str | Path) -> list[dict[str, Any]]:
-    """Every run recorded in a result file (oldest first); a pre-provenance file reads as one bare run."""
-    p = Path(path)
-    text = p.read_text(encoding="utf-8")
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        try:  # the older JSON-lines form: the last line is the run
-            doc = json.loads(text.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            raise InputFileError(f"{p}: not a JSON result file; regenerate it (make reproduce) or remove it") from None
-    if isinstance(doc, dict) and doc.get("format") == FORMAT:
-        runs = doc.get("runs")
-        if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
-            raise InputFileError(f"{p}: a {FORMAT} file whose 'runs' is not a list of objects; regenerate it")
-        return runs
-    if isinstance(doc, dict) and "format" in doc:
-        raise InputFileError(f"{p}: result format {doc['format']!r}, expected {FORMAT!r}; regenerate it")
-    return [doc if isinstance(doc, dict) else {"rows": doc}]
 
 
 def append_run(path: str | Path, run: dict[str, Any], provenance: dict[str, Any]) -> None:
