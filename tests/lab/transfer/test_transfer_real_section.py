@@ -34,7 +34,8 @@ def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp
 
 def test_raw_reuse_that_serves_misses_it_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.status for h in head] == ["missing"] * 4 and "realpair_eval" in head[0].command
+    assert [h.status for h in head] == ["missing"] * 5 and "realpair_eval" in head[0].command
+    assert "realpair_ppl" in head[4].command
     assert "--task niah_single" in head[1].command and "--task niah_multikey" in head[2].command
     _commit(models, raw_hits=20)
     _, _, head = real_section.build(models, tmp_path)
@@ -120,3 +121,34 @@ def test_the_real_pairs_ttft_is_a_table_with_a_warm_and_a_cold_row_per_method(mo
     _, _, head = real_section.build(models, tmp_path)
     rows = {h.target.split(" TTFT")[0]: h for h in head if " TTFT " in h.target}
     assert rows["raw warm"].status == "missed" and rows["raw cold"].status == "undecided"
+
+
+def _commit_ppl(models: Path, factor: float, n: int = 12) -> None:
+    from kvstate.lab.transfer import realpair_ppl as R
+
+    e = R.experiment(Path("a"), Path("b"), Path("c"), ["raw"], n, 1102, "some text", {})
+    e = X.Experiment(**{**e.__dict__, "code": ("lab/scoring.py",), "models": ()})
+    recs: dict = {}
+
+    def item(it: X.Item) -> X.ItemResult:
+        nll = 100.0 + 7 * (it.index % 5)
+        extra = {"methods": {R.ORACLE: {"nll": nll, "tokens": 95, "first_divergence": 64},
+                             "raw": {"nll": nll * factor + 0.3 * (it.index % 3), "tokens": 95, "first_divergence": 9,
+                                     "bf16_share": 1.0, "recomputed": 0}}}
+        recs[it.unit] = {"extra": extra}
+        return X.ItemResult({R.ORACLE: 1.0, "raw": 0.25}, extra)
+
+    X.run_items(e, item, out=models / real_section.PPL_FILE,
+                appendix=lambda _j: R.summary(e.methods, [recs[it.unit] for it in X.items(e)], 1102))
+
+
+def test_held_out_perplexity_under_transfer_reads_as_a_table_and_a_decided_row_per_method(models, tmp_path):
+    _commit_ppl(models, factor=1.2)
+    tables, _, head = real_section.build(models, tmp_path)
+    table = next(t for t in tables if "held-out perplexity" in t.title)
+    assert [r[0] for r in table.rows] == ["oracle", "raw"] and table.rows[1][2].startswith("1.2")
+    assert table.rows[1][3].startswith("0.25 [") and table.rows[1][4] == "9.0" and table.rows[0][6] == "30 (all)"
+    row = head[-1]
+    assert row.status == "missed" and "raw: held-out perplexity" in row.target
+    _commit_ppl(models, factor=1.0)
+    assert real_section.build(models, tmp_path)[2][-1].status == "met"

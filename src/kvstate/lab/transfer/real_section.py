@@ -8,7 +8,10 @@ decision as a headline row; the per-layer K / V cosine between the two caches as
 methods on the pair, ``models/smollm2/pair_bench.json`` (:mod:`kvstate.lab.transfer.realpair_bench`): per method
 and task the score, its paired difference to the oracle, bytes against a bf16 cache, layers recomputed, the gate's
 reading and the gated score; every pre-registered decision (and the gate's, decided by the bench) a headline row;
-score against recomputed share as a figure. A missing or stale file shows the command that writes it.
+score against recomputed share as a figure. Held-out perplexity and greedy agreement under transfer,
+``models/smollm2/pair_ppl.json`` (:mod:`kvstate.lab.transfer.realpair_ppl`): per method the perplexity, its paired
+ratio to the oracle's and the +3% target's decision (a headline row each). A missing or stale file shows the
+command that writes it.
 """
 
 from __future__ import annotations
@@ -169,13 +172,54 @@ def ttft(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     return [toy.ttft_table(run, "real pair")], rows
 
 
+PPL_FILE = "smollm2/pair_ppl.json"
+PPL_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_ppl --n 100 --seed SEED "
+               "--out models/smollm2/pair_ppl.json")
+
+
+def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
+    """Held-out perplexity under transfer (``pair_ppl.json``): the table and one headline row per method (its
+    paired perplexity ratio to the oracle's against the pre-registered +3%, decided by the run)."""
+    art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
+    if art.run is None:
+        return [], [artifact_row(art, WHERE, "held-out perplexity under the best transfer <= 1.03x the oracle's", "")]
+    run = art.run
+    exp = run.get("experiment") or {}
+    seeds = ", ".join(str(s) for s in exp.get("seeds", []))
+    agree = {r["method"]: r for r in run.get("rows") or []}
+    body, head = [], []
+    for r in (run.get("appendix") or {}).get("rows") or []:
+        a = agree.get(r["method"])
+        ratio = f"{r['ratio']:.3f}x [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]" if "ratio" in r else "1"
+        body.append([r["method"], f"{r['ppl']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]", ratio,
+                     f"{a['value']:.2f} [{a['ci'][0]:.2f}, {a['ci'][1]:.2f}]" if a and a.get("ci") else "",
+                     f"{r['first_divergence']:.1f}", f"{r['bf16_share']:.2f}" if "bf16_share" in r else "1 (own)",
+                     f"{r['recomputed']:.0f}" if "recomputed" in r else "30 (all)", str(r["windows"]), seeds,
+                     art.status])
+        if "status" in r:
+            head.append(artifact_row(art, WHERE, f"{r['method']}: held-out perplexity {r['target']}", ratio,
+                                     status=r["status"], n=r["windows"], seeds=exp.get("seeds"),
+                                     ci=tuple(r["ratio_ci"])))
+    settings = (run.get("provenance") or {}).get("settings") or {}
+    table = Table("Real pair: held-out perplexity and greedy continuation under transfer, against the consumer's "
+                  "own prefill", ["method", "perplexity [95%]", "ratio to the oracle [95%, paired]",
+                                  "greedy agreement [95%]", "first divergence (tokens)", "bytes / bf16 cache",
+                                  "layers recomputed", "windows", "seed", "file"], body,
+                  f"windows of {settings.get('text', 'held-out text')}: {', '.join(str(x) for x in exp.get('lengths', []))}"
+                  f" context tokens from the transferred cache, then {settings.get('continuation', '')} tokens scored; "
+                  f"greedy agreement is the share of {settings.get('greedy', '')} greedy tokens equal to the oracle's at "
+                  "the same position")
+    return [table], head
+
+
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     tables, figures, head = _premise(models_dir, out_dir)
     for task in BENCH_FILES:
         bt, bf, bh = bench(models_dir, out_dir, task)
         tables, figures, head = tables + bt, figures + bf, head + bh
     tt, th = ttft(models_dir)
-    return tables + tt, figures, head + th
+    pt, ph = ppl(models_dir)
+    return tables + tt + pt, figures, head + th + ph
 
 
 def _premise(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
