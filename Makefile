@@ -50,19 +50,28 @@ REAL_CONSUMER := models/smollm2-135m-ft/manifest.json
 $(REAL_CONSUMER): $(REAL_MODEL) models/smollm2-135m-ft-delta/lora.safetensors
 	$(BIN)/python -m kvstate.lab.transfer.realpair build
 
+# the real pair's SCD codec and ridge maps (gitignored; ~8 min, one thread each, so they come out bit-identical on
+# every machine and the committed pair results that recorded their digest stay current)
+REAL_CODEC_W := models/codec-smollm2-135m-ft/codec.safetensors
+REAL_CODEC := models/codec-smollm2-135m-ft/ridge_layer.safetensors
+$(REAL_CODEC_W): | $(REAL_CONSUMER)
+	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair calibrate --overwrite
+$(REAL_CODEC): | $(REAL_CODEC_W)
+	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair ridge
+
 # the real model's depth fine-tunes (R-CLA, the CLA2 specialist): the converted base with a committed LoRA delta merged
 # in (gitignored); only the deltas that are committed are built
 DEPTH_MODELS := $(patsubst %-delta/lora.safetensors,%/manifest.json,$(wildcard models/smollm2-135m-rcla-delta/lora.safetensors models/smollm2-135m-cla2-delta/lora.safetensors))
 $(DEPTH_MODELS): models/%/manifest.json: models/%-delta/lora.safetensors $(REAL_MODEL)
 	$(BIN)/python -m kvstate.lab.depth.realtrain build --run models/$*-delta --out models/$* --overwrite
 
-setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(DEPTH_MODELS)
+setup: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(REAL_CODEC) $(DEPTH_MODELS)
 
-demo: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
+demo: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(REAL_CODEC)
 	$(BIN)/kvstate report --out $(OUT)
 
 # the report, then every results table marked in docs/*.md refreshed from it (numbers in docs are generated)
-docs: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER)
+docs: $(STAMP) $(REAL_MODEL) $(REAL_CONSUMER) $(REAL_CODEC)
 	$(BIN)/python -m kvstate.lab.make.docs --out $(OUT)
 
 test: $(STAMP) $(KVPRESS) $(REAL_MODEL) $(REAL_CONSUMER)

@@ -114,3 +114,10 @@ def test_drift_is_one_on_equal_caches_and_raw_reuse_of_ones_own_cache_is_the_ora
         full = model(ids).logits[0, -1]
     out = model(ids[:, -1:], cache=a, use_cache=True).logits[0, -1]
     assert torch.allclose(full, out, atol=1e-4)
+
+
+def test_ridge_needs_a_calibrated_codec_directory(tmp_path, capsys) -> None:
+    from kvstate.lab.transfer import realpair
+
+    assert realpair.main(["ridge", "--codec", str(tmp_path / "none")]) == 2
+    assert "calibrate` first" in capsys.readouterr().err

@@ -20,6 +20,8 @@ module::
     OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair train --out runs/smollm2-ft --steps 150
     python -m kvstate.lab.transfer.realpair export --run runs/smollm2-ft --out models/smollm2-135m-ft-delta
     python -m kvstate.lab.transfer.realpair build   # models/smollm2-135m-ft from the base + the delta
+    OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair calibrate   # the pair's SCD codec (make setup)
+    OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair ridge       # its ridge maps, beside it (make setup)
 """
 
 from __future__ import annotations
@@ -246,6 +248,23 @@ def calibrate(producer: Path = BASE, consumer: Path = CONSUMER, out: Path = CODE
     return codec
 
 
+def ridge(codec_dir: Path = CODEC, producer: Path = BASE, consumer: Path = CONSUMER, say: Any = print) -> dict[str, str]:
+    """The pair's ridge maps (``ridge_head`` / ``ridge_layer``, :mod:`kvstate.transfer.ridge`) fitted into the codec
+    directory as the bench fits them (:func:`kvstate.lab.transfer.realpair_bench.ridge_artifacts`); maps already
+    there are kept. One thread: the fit is then bit-identical on every machine, so results that read it stay
+    current."""
+    from kvstate.lab.transfer.realpair_bench import ridge_artifacts
+    from kvstate.models.loading import load_model, load_tokenizer
+    from kvstate.transfer.codec import is_codec_dir
+
+    if not is_codec_dir(codec_dir):
+        raise KVStateError(f"--codec {codec_dir}: not a codec directory; run `python -m kvstate.lab.transfer.realpair "
+                           "calibrate` first")
+    p, tok = load_model(producer, torch.float32), load_tokenizer(producer)
+    c = load_model(consumer, torch.float32)
+    return ridge_artifacts(p, c, tok, codec_dir, ["ridge_head", "ridge_layer"], say)
+
+
 def card(delta: Path, premise: Path | None = None) -> str:
     """The consumer's card (``<delta>/README.md``): what it was trained on, how, its curve, and, from a premise
     result (:mod:`kvstate.lab.transfer.realpair_eval`), its scores beside the producer's and its per-layer drift."""
@@ -337,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--prefixes", type=int, default=24)
     c.add_argument("--length", type=int, default=512)
     c.add_argument("--overwrite", action="store_true")
+    r = sub.add_parser("ridge", help="fit the ridge maps (per head, per layer) into the codec directory")
+    r.add_argument("--codec", type=Path, default=CODEC)
     k = sub.add_parser("card")
     k.add_argument("--delta", type=Path, default=DELTA)
     k.add_argument("--premise", type=Path, default=None)
@@ -354,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
                               say=lambda m: print(f"realpair: {m}", file=sys.stderr, flush=True))
             print(f"realpair: codec {args.out}: patch layers {list(codec.config.patch_layers)}; next-token KL vs the "
                   f"consumer {codec.info.get('kl_all_layers')}", file=sys.stderr)
+        elif args.cmd == "ridge":
+            torch.set_num_threads(1)
+            ridge(args.codec, say=lambda m: print(f"realpair: {m}", file=sys.stderr, flush=True))
         elif args.cmd == "card":
             from kvstate.io_safety import write_text_atomic
 
