@@ -56,6 +56,9 @@ def test_the_oracle_is_the_full_forward_and_a_model_against_itself_agrees(pair) 
     full = continuation_nll(c, ids[0], start=K)  # no cache: one forward over the window
     oracle = got.extra["methods"][R.ORACLE]
     assert oracle["tokens"] == N - K - 1 and abs(oracle["nll"] - full.nll) < 1e-3 * max(1.0, abs(full.nll))
+    floor = got.extra["methods"][R.FLOOR]  # the own cache through bf16: close to the oracle, measured
+    assert abs(floor["nll"] - oracle["nll"]) < 5e-2 * max(1.0, abs(oracle["nll"])) and 0.0 <= got.scores[R.FLOOR] <= 1
+    assert set(got.scores) == {R.ORACLE, R.FLOOR, "raw"}
     raw = got.extra["methods"]["raw"]
     assert got.scores["raw"] == 1.0 and raw["first_divergence"] == G  # fp16 wire rounding only
     assert abs(raw["nll"] - oracle["nll"]) < 1e-2 * max(1.0, abs(oracle["nll"])) and raw["recomputed"] == 0
@@ -71,6 +74,16 @@ def _rec(oracle: list[float], other: list[float]) -> list[dict]:
     return [{"extra": {"methods": {R.ORACLE: {"nll": a, "tokens": 10, "first_divergence": 8},
                                    "raw": {"nll": b, "tokens": 10, "first_divergence": 2, "bf16_share": 0.5,
                                            "recomputed": 0}}}} for a, b in zip(oracle, other, strict=True)]
+
+
+def test_bf16_rounding_changes_a_copy_only() -> None:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    k = torch.tensor([[[[1.0 + 2 ** -12, 3.0]]]])
+    cache.update(k.clone(), k.clone(), 0)
+    out = R.bf16_rounded(cache)
+    assert out.layers[0].keys[0, 0, 0, 0].item() == 1.0 and cache.layers[0].keys[0, 0, 0, 0].item() == 1.0 + 2 ** -12
 
 
 def test_the_summary_ratio_and_decision_against_brute_force() -> None:

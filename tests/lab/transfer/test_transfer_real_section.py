@@ -133,10 +133,12 @@ def _commit_ppl(models: Path, factor: float, n: int = 12) -> None:
     def item(it: X.Item) -> X.ItemResult:
         nll = 100.0 + 7 * (it.index % 5)
         extra = {"methods": {R.ORACLE: {"nll": nll, "tokens": 95, "first_divergence": 64},
+                             R.FLOOR: {"nll": nll + 0.01, "tokens": 95, "first_divergence": 20, "bf16_share": 1.0,
+                                       "recomputed": 30},
                              "raw": {"nll": nll * factor + 0.3 * (it.index % 3), "tokens": 95, "first_divergence": 9,
                                      "bf16_share": 1.0, "recomputed": 0}}}
         recs[it.unit] = {"extra": extra}
-        return X.ItemResult({R.ORACLE: 1.0, "raw": 0.25}, extra)
+        return X.ItemResult({R.ORACLE: 1.0, R.FLOOR: 0.5, "raw": 0.25}, extra)
 
     X.run_items(e, item, out=models / real_section.PPL_FILE,
                 appendix=lambda _j: R.summary(e.methods, [recs[it.unit] for it in X.items(e)], 1102))
@@ -146,9 +148,10 @@ def test_held_out_perplexity_under_transfer_reads_as_a_table_and_a_decided_row_p
     _commit_ppl(models, factor=1.2)
     tables, _, head = real_section.build(models, tmp_path)
     table = next(t for t in tables if "held-out perplexity" in t.title)
-    assert [r[0] for r in table.rows] == ["oracle", "raw"] and table.rows[1][2].startswith("1.2")
-    assert table.rows[1][3].startswith("0.25 [") and table.rows[1][4] == "9.0" and table.rows[0][6] == "30 (all)"
-    row = head[-1]
+    assert [r[0] for r in table.rows] == ["oracle", "own_bf16", "raw"] and table.rows[2][2].startswith("1.2")
+    assert table.rows[2][3].startswith("0.25 [") and table.rows[2][4] == "9.0" and table.rows[0][6] == "30 (all)"
+    row = head[-1]  # one decided row: the floor is shown, never decided
+    assert sum("held-out perplexity" in h.target for h in head) == 1
     assert row.status == "missed" and "raw: held-out perplexity" in row.target
     _commit_ppl(models, factor=1.0)
     assert real_section.build(models, tmp_path)[2][-1].status == "met"
