@@ -106,3 +106,17 @@ def test_dev_seeds_read_the_licence_text_and_test_seeds_pythons_topics(pair) -> 
     assert "licence" in what_dev and "pydoc_data" in what_test and dev != test and len(test) > 10 * len(dev) / 2
     with pytest.raises(KVStateError, match="at most --n"):
         pydoc_text.windows(tok, "a b c", 4, 3)
+
+
+def test_the_module_prints_every_row_floor_included(monkeypatch, capsys) -> None:
+    rows = [{"method": R.ORACLE, "ppl": 7.0, "first_divergence": 64.0},
+            {"method": R.FLOOR, "ppl": 7.0, "ratio": 1.0, "ratio_ci": [0.99, 1.01], "first_divergence": 9.0},
+            {"method": "raw", "ppl": 8.0, "ratio": 1.1, "ratio_ci": [1.05, 1.2], "status": "missed",
+             "first_divergence": 2.0}]
+    monkeypatch.setattr("kvstate.lab.experiment.run_items", lambda *a, **k: {"appendix": {"rows": rows}})
+    monkeypatch.setattr("kvstate.models.loading.load_model", lambda *a, **k: object())
+    monkeypatch.setattr("kvstate.transfer.codec.Codec.load", lambda *a, **k: type("C", (), {"check_models": lambda *x: None})())
+    monkeypatch.setattr("kvstate.lab.transfer.realpair_bench.ridge_artifacts", lambda *a, **k: {})
+    assert R.main(["--methods", "raw", "--no-droidspeak", "--n", "1", "--seed", "7"]) == 0
+    err = capsys.readouterr().err
+    assert "own_bf16: ppl 7.000 ratio 1.000 [0.990, 1.010] (floor)" in err and "missed" in err

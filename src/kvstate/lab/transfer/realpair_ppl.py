@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for r in doc["appendix"]["rows"]:
-        extra = (f" ratio {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}] {r['status']}"
+        extra = (f" ratio {r['ratio']:.3f} [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}] {r.get('status', '(floor)')}"
                  if "ratio" in r else "")
         print(f"{r['method']:>16}: ppl {r['ppl']:.3f}{extra}, first divergence {r['first_divergence']}",
               file=sys.stderr)
