@@ -53,9 +53,10 @@ $(REAL_CONSUMER): $(REAL_MODEL) models/smollm2-135m-ft-delta/lora.safetensors
 # the real pair's SCD codec and ridge maps (gitignored; ~8 min, one thread each, so they come out bit-identical on
 # every machine and the committed pair results that recorded their digest stay current)
 REAL_CODEC_W := models/codec-smollm2-135m-ft/codec.safetensors
-REAL_CODEC := models/codec-smollm2-135m-ft/ridge_layer.safetensors
+REAL_CODEC := models/codec-smollm2-135m-ft/ridge_head.safetensors models/codec-smollm2-135m-ft/ridge_layer.safetensors
 $(REAL_CODEC_W): | $(REAL_CONSUMER)
 	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair calibrate --overwrite
+# either map missing refits what is missing (the command keeps maps already there)
 $(REAL_CODEC): | $(REAL_CODEC_W)
 	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair ridge
 

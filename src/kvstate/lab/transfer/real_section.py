@@ -206,7 +206,8 @@ def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
                                   "greedy agreement [95%]", "first divergence (tokens)", "bytes / bf16 cache",
                                   "layers recomputed", "windows", "seed", "file"], body,
                   f"windows of {settings.get('text', 'held-out text')}: {', '.join(str(x) for x in exp.get('lengths', []))}"
-                  f" context tokens from the transferred cache, then {settings.get('continuation', '')} tokens scored; "
+                  f" context tokens from the transferred cache, then the {settings.get('continuation', '')}-token continuation "
+                  "fed through it (its first token has no logits from the cache: the rest are scored); "
                   f"greedy agreement is the share of {settings.get('greedy', '')} greedy tokens equal to the oracle's at "
                   "the same position")
     return [table], head
