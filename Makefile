@@ -57,7 +57,7 @@ REAL_CODEC := models/codec-smollm2-135m-ft/ridge_head.safetensors models/codec-s
 $(REAL_CODEC_W): | $(REAL_CONSUMER)
 	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair calibrate --overwrite
 # either map missing refits what is missing (the command keeps maps already there)
-$(REAL_CODEC): | $(REAL_CODEC_W)
+$(REAL_CODEC) &: | $(REAL_CODEC_W)
 	OMP_NUM_THREADS=1 $(BIN)/python -m kvstate.lab.transfer.realpair ridge
 
 # the real model's depth fine-tunes (R-CLA, the CLA2 specialist): the converted base with a committed LoRA delta merged
