@@ -155,3 +155,11 @@ def test_held_out_perplexity_under_transfer_reads_as_a_table_and_a_decided_row_p
     assert row.status == "missed" and "raw: held-out perplexity" in row.target
     _commit_ppl(models, factor=1.0)
     assert real_section.build(models, tmp_path)[2][-1].status == "met"
+
+
+def test_the_perplexity_run_has_a_figure_of_ratio_against_agreement_and_none_without_its_file(models, tmp_path):
+    assert real_section.ppl_figures(models, tmp_path) == []
+    _commit_ppl(models, factor=1.2)
+    figures = real_section.ppl_figures(models, tmp_path)
+    assert [f.filename for f in figures] == ["smollm2_pair_ppl.png"] and (tmp_path / "smollm2_pair_ppl.png").stat().st_size > 0
+    assert "smollm2_pair_ppl.png" in [f.filename for f in real_section.build(models, tmp_path)[1]]

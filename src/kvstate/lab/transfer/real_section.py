@@ -177,9 +177,32 @@ PPL_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.transfer.realpair_ppl --
                "--out models/smollm2/pair_ppl.json")
 
 
+def _ppl_figure(rows: list[dict[str, Any]], agree: dict[str, dict[str, Any]], limit: float | None,
+                out_dir: Path) -> Figure:
+    fig, axes = plots.figure(0.6, 3.0)
+    ax = axes[0][0]
+    for r in rows:
+        if "ratio" not in r or r["method"] not in agree or not agree[r["method"]].get("ci"):
+            continue
+        a = agree[r["method"]]
+        ax.errorbar([r["ratio"]], [a["value"]],
+                    xerr=[[r["ratio"] - r["ratio_ci"][0]], [r["ratio_ci"][1] - r["ratio"]]],
+                    yerr=[[a["value"] - a["ci"][0]], [a["ci"][1] - a["value"]]], fmt="o", ms=4, capsize=2)
+        ax.annotate(r["method"], (r["ratio"], a["value"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    if limit is not None:
+        ax.axvline(limit, color="grey", ls="--", lw=0.8, label=f"target <= {limit:g}x")
+        ax.legend(fontsize=7)
+    ax.set_xlabel("held-out perplexity / the oracle's (paired)")
+    ax.set_ylabel("greedy agreement with the oracle")
+    name = plots.save(fig, out_dir, "smollm2_pair_ppl.png")
+    return Figure("The real pair: each transfer's held-out perplexity ratio against its greedy agreement with the "
+                  "consumer's own prefill", name, "95% intervals over the windows (paired for the ratio)")
+
+
 def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     """Held-out perplexity under transfer (``pair_ppl.json``): the table and one headline row per method (its
-    paired perplexity ratio to the oracle's against the pre-registered +3%, decided by the run)."""
+    paired perplexity ratio to the oracle's against the pre-registered +3%, decided by the run); its figure:
+    :func:`ppl_figures`."""
     art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
     if art.run is None:
         return [], [artifact_row(art, WHERE, "held-out perplexity under the best transfer <= 1.03x the oracle's", "")]
@@ -220,7 +243,18 @@ def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], l
         tables, figures, head = tables + bt, figures + bf, head + bh
     tt, th = ttft(models_dir)
     pt, ph = ppl(models_dir)
-    return tables + tt + pt, figures, head + th + ph
+    return tables + tt + pt, figures + ppl_figures(models_dir, out_dir), head + th + ph
+
+
+def ppl_figures(models_dir: Path, out_dir: Path) -> list[Figure]:
+    """The perplexity run's figure (none while its file is missing)."""
+    art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
+    if art.run is None:
+        return []
+    run = art.run
+    appendix = run.get("appendix") or {}
+    agree = {r["method"]: r for r in run.get("rows") or []}
+    return [_ppl_figure(appendix.get("rows") or [], agree, appendix.get("limit"), out_dir)]
 
 
 def _premise(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
