@@ -16,17 +16,16 @@ from kvstate.lab.transfer import real_section as transfer_real
 MODELS = Path(__file__).resolve().parents[3] / "models"
 
 
-def _with_figures(build):
-    return lambda models, out: build(models, out)
-
-
 def _without_figures(build):
-    return lambda models, _out: (build(models)[0], [], build(models)[1])
+    def run(models, _out):
+        tables, head = build(models)
+        return tables, [], head
+    return run
 
 
 @pytest.mark.parametrize("name, build, committed", [
-    ("semantic", _with_figures(semantic_real.build), "smollm2/sekv16_2048_single.json"),
-    ("transfer", _with_figures(transfer_real.build), "smollm2/pair_ppl.json"),
+    ("semantic", semantic_real.build, "smollm2/sekv16_2048_single.json"),
+    ("transfer", transfer_real.build, "smollm2/pair_ppl.json"),
     ("depth xkv", _without_figures(depth_real.build), "smollm2/depth_xkv.json"),
     ("depth rcla", _without_figures(rcla_section.build), None),
 ])
