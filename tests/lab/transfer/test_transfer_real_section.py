@@ -25,6 +25,8 @@ def _commit(models: Path, raw_hits: int) -> None:
 def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp_path):
     _commit(models, raw_hits=4)
     tables, figures, head = real_section.build(models, tmp_path)
+    assert head[0].target == real_section.CLAIM and head[0].status == "missing"  # the claim leads, its files absent
+    head = head[1:]
     assert [r[:2] for r in tables[0].rows] == [[m, "niah_single"] for m in METHODS]
     assert tables[0].rows[1][2].startswith("0.20 [") and tables[0].rows[1][3] == "1100"
     assert head[0].status == "met" and head[0].measured.startswith("-0.800") and head[1].status == "missing"
@@ -34,15 +36,17 @@ def test_a_losing_raw_reuse_meets_the_premise_and_the_drift_is_shown(models, tmp
 
 def test_raw_reuse_that_serves_misses_it_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.status for h in head] == ["missing"] * 5 and "realpair_eval" in head[0].command
-    assert "realpair_ppl" in head[4].command
+    assert [h.status for h in head] == ["missing"] * 6 and "realpair_bench" in head[0].command  # the claim's
+    head = head[1:]
+    assert "realpair_eval" in head[0].command and "realpair_ppl" in head[4].command
     assert "--task niah_single" in head[1].command and "--task niah_multikey" in head[2].command
     _commit(models, raw_hits=20)
     _, _, head = real_section.build(models, tmp_path)
-    assert head[0].status == "missed"
+    assert head[1].status == "missed"
 
 
-def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40) -> None:
+def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40, share: float = 0.5,
+                  task: str = "niah_single") -> None:
     from kvstate.lab.transfer import realpair_bench as B
 
     e = B.experiment(Path("a"), Path("b"), Path("c"), ["raw", "droidspeak@0.25"], ("niah_single",), (1024,), n,
@@ -50,7 +54,7 @@ def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40) ->
     e = X.Experiment(**{**e.__dict__, "code": ("lab/scoring.py",), "models": ()})
 
     def about(err: float, rec: int) -> dict:
-        return {"bytes_per_token": 100.0, "bf16_share": 0.5, "recomputed": rec, "flops_share": rec / 30, "seconds": 1.0,
+        return {"bytes_per_token": 100.0, "bf16_share": share, "recomputed": rec, "flops_share": rec / 30, "seconds": 1.0,
                 "gate": {"error": err, "nll": 1.0, "layer_errors": [err]}}
 
     def item(it: X.Item) -> X.ItemResult:
@@ -64,7 +68,7 @@ def _commit_bench(models: Path, raw_hits: int, raw_error: float, n: int = 40) ->
         recs.append({"scores": dict(got.scores), "extra": dict(got.extra)})
         return got
 
-    X.run_items(e, keep, out=models / real_section.BENCH_FILE,
+    X.run_items(e, keep, out=models / real_section.BENCH_FILES[task],
                 appendix=lambda _j: {"methods": B.summary(recs), "gate": B.gate_summary(recs, 0.1)})
 
 
@@ -151,10 +155,29 @@ def test_held_out_perplexity_under_transfer_reads_as_a_table_and_a_decided_row_p
     assert [r[0] for r in table.rows] == ["oracle", "own_bf16", "raw"] and table.rows[2][2].startswith("1.2")
     assert table.rows[2][3].startswith("0.25 [") and table.rows[2][4] == "9.0" and table.rows[0][6] == "30 (all)"
     row = head[-1]  # one decided row: the floor is shown, never decided
-    assert sum("held-out perplexity" in h.target for h in head) == 1
+    assert sum("held-out perplexity" in h.target and h.target != real_section.CLAIM for h in head) == 1
     assert row.status == "missed" and "raw: held-out perplexity" in row.target
     _commit_ppl(models, factor=1.0)
     assert real_section.build(models, tmp_path)[2][-1].status == "met"
+
+
+def test_the_claim_is_met_by_a_transfer_inside_the_budget_that_meets_every_leg_and_missed_otherwise(models, tmp_path):
+    def claim():
+        return real_section.claim(models)[0]
+
+    for task in real_section.BENCH_FILES:  # raw ships 0.2 of bf16 and computes nothing: inside the budget
+        _commit_bench(models, raw_hits=100, raw_error=0.05, n=100, share=0.2, task=task)
+    assert claim().status == "missing"  # the perplexity file is not there yet
+    _commit_ppl(models, factor=1.0)
+    got = claim()
+    assert got.status == "met" and "raw (0% FLOPs, 0.20 of bf16): niah_single met, niah_multikey met, perplexity met" in got.measured
+    assert got.measured.startswith("droidspeak@0.25 (23% FLOPs, 0.20 of bf16): niah_single met, niah_multikey met;")
+    _commit_ppl(models, factor=1.2)  # raw's perplexity misses; DroidSpeak's was never measured: not decided
+    assert claim().status == "undecided" and "perplexity missed" in claim().measured
+    _commit_bench(models, raw_hits=100, raw_error=0.05, n=100, share=0.3)  # one file's bytes put both outside
+    _commit_ppl(models, factor=1.0)
+    got = claim()
+    assert got.status == "missed" and got.measured.startswith("no method fits the budget")
 
 
 def test_the_perplexity_run_has_a_figure_of_ratio_against_agreement_and_none_without_its_file(models, tmp_path):

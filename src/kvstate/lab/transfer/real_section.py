@@ -236,8 +236,69 @@ def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     return [table], head
 
 
+FLOPS_BUDGET, BYTES_BUDGET = 0.25, 0.25  # issue 44's budget: <= 25% of the consumer's prefill FLOPs, <= 1/4 of bf16
+CLAIM = ("[real pair] the best transfer within the budget (<= 25% of the consumer's prefill FLOPs, <= 1/4 of bf16 "
+         "bytes) >= 0.95x the oracle on every task class it solves and held-out perplexity <= 1.03x")
+
+
+def _legs(models_dir: Path) -> tuple[list[Any], dict[str, dict[str, Any]], dict[str, list[tuple[str, str]]]]:
+    """Every file the claim reads, each method's cost (the needle benches' appendices, the larger where they
+    differ) and its decided legs:
+    ``method -> [(leg, status)]`` — one per task class the oracle solves (a decision with a value) and one for
+    held-out perplexity."""
+    arts = [load_artifact(models_dir / f, bench_command(t)) for t, f in BENCH_FILES.items()]
+    arts.append(load_artifact(models_dir / PPL_FILE, PPL_COMMAND))
+    cost: dict[str, dict[str, Any]] = {}
+    legs: dict[str, list[tuple[str, str]]] = {}
+    for (task, _), art in zip(BENCH_FILES.items(), arts):
+        run = art.run or {}
+        for m, c in (((run.get("appendix") or {}).get("methods")) or {}).items():  # the dearest file's cost
+            was = cost.setdefault(m, {"flops_share": 0.0, "bf16_share": 0.0})
+            for k in was:
+                was[k] = max(was[k], c.get(k, 1.0))
+        for d in run.get("decisions") or []:
+            if d.get("value") is not None and d.get("method"):
+                legs.setdefault(d["method"], []).append((task, d["status"]))
+    for r in ((arts[-1].run or {}).get("appendix") or {}).get("rows") or []:
+        if "status" in r:
+            legs.setdefault(r["method"], []).append(("perplexity", r["status"]))
+    return arts, cost, legs
+
+
+def claim(models_dir: Path) -> list[HeadlineRow]:
+    """Issue 44's claim as one row, composed from the decisions the runs recorded (nothing re-decided): among the
+    methods inside the budget, met if one meets every leg, missed if every one misses a leg (or none fits the
+    budget), undecided otherwise. The row's file is the first of the three that is not current, else the needle
+    bench's."""
+    arts, cost, legs = _legs(models_dir)
+    art = next((a for a in arts if a.status != "current"), arts[0])
+    if any(a.run is None for a in arts):
+        return [artifact_row(art, WHERE, CLAIM, "")]
+    inside = sorted(m for m, c in cost.items()
+                    if c.get("flops_share", 1.0) <= FLOPS_BUDGET and c.get("bf16_share", 1.0) <= BYTES_BUDGET)
+    needed = {leg for got in legs.values() for leg, _ in got}  # the solved task classes and perplexity
+    verdicts = {}
+    for m in inside:  # a leg the runs did not decide for a method (not measured, undecided) leaves it undecided
+        got = dict(legs.get(m, []))
+        verdicts[m] = ("missed" if "missed" in got.values() else
+                       "met" if needed and all(got.get(leg) == "met" for leg in needed) else "undecided")
+    status = ("met" if "met" in verdicts.values() else
+              "missed" if all(v == "missed" for v in verdicts.values()) else "undecided")
+    shown = "; ".join(f"{m} ({cost[m]['flops_share']:.0%} FLOPs, {cost[m]['bf16_share']:.2f} of bf16): "
+                      + ", ".join(f"{leg} {s}" for leg, s in legs.get(m, [])) for m in inside)
+    shown = shown or "no method fits the budget"
+    outside = sorted((m for m in cost if m not in inside and legs.get(m)
+                      and all(s != "missed" for _, s in legs[m])))
+    if outside:
+        shown += " — outside the budget, not missed: " + ", ".join(
+            f"{m} ({cost[m]['flops_share']:.0%} FLOPs, {cost[m]['bf16_share']:.2f} of bf16)" for m in outside)
+    seeds = sorted({s for a in arts for s in ((a.run or {}).get("experiment") or {}).get("seeds", [])})
+    return [artifact_row(art, WHERE, CLAIM, shown, status=status, seeds=seeds)]
+
+
 def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], list[HeadlineRow]]:
     tables, figures, head = _premise(models_dir, out_dir)
+    head = claim(models_dir) + head
     for task in BENCH_FILES:
         bt, bf, bh = bench(models_dir, out_dir, task)
         tables, figures, head = tables + bt, figures + bf, head + bh
@@ -288,4 +349,4 @@ def _premise(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure]
     return tables, figures, head
 
 
-__all__ = ["build"]
+__all__ = ["CLAIM", "build", "claim"]
