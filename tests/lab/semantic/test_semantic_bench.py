@@ -137,19 +137,9 @@ def _written_out(method, model, tok, items, budget, seg):
     from kvstate.lab.perplexity import continuation_nll, pooled_perplexity
     from kvstate.lab.semantic import methods
     from kvstate.lab.semantic.bench import _answer, _outcome, score_prediction
-    from kvstate.lab.semantic.methods.kivi import KiviCache
-    from kvstate.lab.semantic.methods.quest import QuestCache
-    from kvstate.lab.semantic.methods.quest_quant import QuestQuant2Cache, QuestQuant4Cache
-    from kvstate.lab.semantic.methods.sekv_pages import (
-        CodePage16Cache,
-        CodePage32Cache,
-        CodePage32V2Cache,
-        CodePage64Cache,
-    )
     from kvstate.lab.semantic.methods.sentencekv import sentence_segmentation
-    from kvstate.lab.semantic.methods.window import WindowCache
     from kvstate.lab.semantic.protocol import PPL
-    from kvstate.semantic import SemanticCache, semantic_attention, surprisal
+    from kvstate.semantic import semantic_attention, surprisal
 
     out = []
     for it in items:
@@ -160,11 +150,7 @@ def _written_out(method, model, tok, items, budget, seg):
                 cache = DynamicCache(config=model.config)
             else:
                 cfg = methods.get(method).config(budget, methods.Context(None, seg, 0.3, 0.6))
-                kind = {"quest": QuestCache, "quest4": QuestQuant4Cache, "quest2": QuestQuant2Cache,
-                        "streaming": WindowCache, "window": WindowCache, "kivi": KiviCache,
-                        "sekv_pages16": CodePage16Cache, "sekv_pages32": CodePage32Cache,
-                        "sekv_pages64": CodePage64Cache, "sekv_pages32_v2": CodePage32V2Cache}.get(method, SemanticCache)
-                cache = kind(model, None, cfg)
+                cache = methods.get(method).cache_class(model, None, cfg)  # the registry names each one's cache
                 if method.startswith(("sekv_zip", "kvzip")):  # the library's retention at the method's bits
                     from kvstate.semantic.retention import RetainedCache
 

@@ -250,7 +250,7 @@ def _legs(models_dir: Path) -> tuple[list[Any], dict[str, dict[str, Any]], dict[
     arts.append(load_artifact(models_dir / PPL_FILE, PPL_COMMAND))
     cost: dict[str, dict[str, Any]] = {}
     legs: dict[str, list[tuple[str, str]]] = {}
-    for (task, _), art in zip(BENCH_FILES.items(), arts):
+    for (task, _), art in zip(BENCH_FILES.items(), arts[:-1], strict=True):
         run = art.run or {}
         for m, c in (((run.get("appendix") or {}).get("methods")) or {}).items():  # the dearest file's cost
             was = cost.setdefault(m, {"flops_share": 0.0, "bf16_share": 0.0})
@@ -287,8 +287,8 @@ def claim(models_dir: Path) -> list[HeadlineRow]:
     shown = "; ".join(f"{m} ({cost[m]['flops_share']:.0%} FLOPs, {cost[m]['bf16_share']:.2f} of bf16): "
                       + ", ".join(f"{leg} {s}" for leg, s in legs.get(m, [])) for m in inside)
     shown = shown or "no method fits the budget"
-    outside = sorted((m for m in cost if m not in inside and legs.get(m)
-                      and all(s != "missed" for _, s in legs[m])))
+    outside = sorted(m for m in cost if m not in inside and legs.get(m)
+                      and all(s != "missed" for _, s in legs[m]))
     if outside:
         shown += " — outside the budget, not missed: " + ", ".join(
             f"{m} ({cost[m]['flops_share']:.0%} FLOPs, {cost[m]['bf16_share']:.2f} of bf16)" for m in outside)
