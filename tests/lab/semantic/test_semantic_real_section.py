@@ -30,8 +30,9 @@ def _commit(models: Path, task: str, seed: int, sekv: float, grid: real_section.
         rows = [{**r, "memory_fp32": None} for r in rows]
     checks = [{"method": "sekv@0.125", "memory_bf16_max": 0.261 if sekv < 0.5 else 0.31,
                "memory_context_bf16_max": 0.0625 if sekv < 0.5 else 0.07}]
+    reads = [{"method": "sekv@0.125", "reads_bf16_max": 0.12 if sekv < 0.5 else 0.13, "reads_le_0.125_bf16": sekv < 0.5}]
     X.run_items(e, item, out=models / grid.file.format(task=task.removeprefix("real_niah_")),
-                appendix=lambda _j: {"summary": {"rows": rows, "memory_checks": checks}})
+                appendix=lambda _j: {"summary": {"rows": rows, "memory_checks": checks}, "reads_checks": reads})
 
 
 def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_path):
@@ -56,10 +57,12 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
     assert [h.technique for h in head] == [g.where for g in real_section.GRIDS] + [real_section.DECODE_WHERE] * 2
-    assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:3])
-    assert "--length 4096" in head[2].command and "sekv16_4096_single.json" in head[2].command
-    assert "realmodel16 --set test --task real_niah_single" in head[1].command
-    assert "sekv16_2048_single.json" in head[1].command
+    assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:4])
+    assert "realmodel8 --set test --task real_niah_single" in head[0].command
+    assert "sekv8_2048_single.json" in head[0].command and "sekv_2048.json" in head[1].command
+    assert "--length 4096" in head[3].command and "sekv16_4096_single.json" in head[3].command
+    assert "realmodel16 --set test --task real_niah_single" in head[2].command
+    assert "sekv16_2048_single.json" in head[2].command
     _commit(models, "real_niah_single", 1100, 1.0)
     _, _, head = real_section.build(models, tmp_path)
     floor = next(h for h in head if h.target.startswith("no task the full cache"))
@@ -112,3 +115,15 @@ def test_the_4k_grid_is_its_own_table_and_its_missing_task_is_not_a_row(models, 
     assert {h.target for h in mine} >= {"SEKV - full >= -0.05", "sekv@0.125: memory <= 0.0625 x bf16 (the compressed "
                                         "context, everything held, the largest over the items)"}
     assert [h.status for h in head if h.technique == real_section.MEMORY_16.where] == ["missing"]
+
+
+def test_the_8_to_1_retention_grid_leads_with_its_memory_and_reads_as_checks(models, tmp_path):
+    _commit(models, "real_niah_single", 1102, 0.2, real_section.READS_8_RETAIN)
+    _commit(models, "real_niah_multikey", 1103, 1.0, real_section.READS_8_RETAIN)
+    tables, _, head = real_section.build(models, tmp_path)
+    assert len(tables) == 1 and "retention" in tables[0].title
+    mine = [h for h in head if h.technique == real_section.READS_8_RETAIN.where]
+    checks = [(h.status, h.measured) for h in mine if h.kind == "check"]
+    assert checks == [("met", "0.261 x"), ("met", "0.1200 x"), ("missed", "0.310 x"), ("missed", "0.1300 x")]
+    assert all("peak read <= 0.125 x bf16" in h.target for h in mine if h.kind == "check" and h.measured.startswith("0.1"))
+    assert [h.status != "missed" for h in mine if h.target == "SEKV - full >= -0.05"] == [False, True]
