@@ -142,7 +142,7 @@ def ttft(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     """The real pair's time to first token (``pair_ttft.json``, ``kvstate transfer ttft``): the table and, per
     method, warm against the oracle (the toy pairs' rule: the repeats' min / max decide) and cold against it."""
     from kvstate.lab import stats
-    from kvstate.lab.transfer import section as toy
+    from kvstate.lab.transfer import ttft_table as toy
 
     art = load_artifact(models_dir / TTFT_FILE, TTFT_COMMAND)
     if art.run is None:

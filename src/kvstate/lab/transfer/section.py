@@ -41,13 +41,20 @@ from kvstate.lab.provenance import Artifact, load_artifact
 from kvstate.lab.report import floor
 from kvstate.lab.report.html import Figure, HeadlineRow, Section, Table, artifact_row, check_row
 from kvstate.lab.transfer import real_section
+from kvstate.lab.transfer.ttft_table import (
+    REFERENCE,
+    TTFT_FACTOR,
+    TTFT_LENGTH,
+    TTFT_RATE,
+    rate_label,
+    ttft_cells,
+    ttft_table,
+)
 
 PAPER = "Semantic Cache Distillation: Efficient State Transfer via Reuse and Selective Patching"
 TECHNIQUE = "across models (SCD)"
 BENCH_FILE, TTFT_FILE = "bench.json", "ttft.json"
-TTFT_RATE, TTFT_LENGTH, TTFT_FACTOR = "1", 8192, 2.0  # the target: warm >= 2x faster than the oracle at 8K, 1 Gbit/s
 LENGTH_SLACK = 64  # a bench length up to this many tokens below a TTFT length is that length (answer room)
-REFERENCE = "oracle"  # the row every other is scored against, when a file does not name its own
 SCD, RAW, REUSE = "scd", "raw", "reuse"  # rows the SCD targets read (a run without them is an options run)
 RECOMPUTE, DROIDSPEAK = "scd_recompute", "droidspeak"  # the options run's rows
 
@@ -333,42 +340,6 @@ def notes(bench: dict[str, Any], label: str = "") -> list[str]:
 # --- time to first token ----------------------------------------------------------------------------
 
 
-def ttft_cells(ttft: dict[str, Any]) -> dict[tuple[str, int, str], dict[str, Any]]:
-    """``(method, length, rate key) -> {cold, warm, cold_range, warm_range, achieved, bytes_per_token}``."""
-    out = {}
-    for r in ttft.get("rows") or []:
-        for key, t in (r.get("ttft_ms") or {}).items():
-            rng = (r.get("ttft_range_ms") or {}).get(key) or {}
-            out[(r["method"], int(r["length"]), key)] = {
-                "cold": t["cold"], "warm": t["warm"], "cold_range": rng.get("cold") or [t["cold"]] * 2,
-                "warm_range": rng.get("warm") or [t["warm"]] * 2, "n": r.get("n"),
-                "achieved": (r.get("achieved_gbit_s") or {}).get(key),
-                "bytes_per_token": r.get("payload_bytes_per_token", 0.0), "agrees": r.get("first_token_agrees")}
-    return out
-
-
-def _rate_label(key: str, links: dict[str, Any]) -> str:
-    link = links.get(key) or {}
-    achieved = link.get("achieved_gbit_s")
-    shown = "loopback (unshaped)" if link.get("rate_gbit", key) is None else f"{key} Gbit/s"
-    return f"{shown}, achieved {achieved:.3g}" if isinstance(achieved, (int, float)) else shown
-
-
-def ttft_table(ttft: dict[str, Any], label: str) -> Table:
-    """TTFT cold / warm per method x length x rate, with the rate the link achieved."""
-    cells = ttft_cells(ttft)
-    rows = [[m, length, key, "" if c["achieved"] is None else round(c["achieved"], 3),
-             f"{c['cold']:.1f} [{c['cold_range'][0]:.1f}, {c['cold_range'][1]:.1f}]",
-             "" if m == REFERENCE else f"{c['warm']:.1f} [{c['warm_range'][0]:.1f}, {c['warm_range'][1]:.1f}]",
-             round(c["bytes_per_token"] or 0.0, 1), "" if c["agrees"] is None else c["agrees"], c["n"]]
-            for (m, length, key), c in cells.items()]
-    return Table(f"[{label}] Time to first token, ms (median [min, max] of the repeats) per method, length and link",
-                 ["method", "length", "set Gbit/s", "achieved Gbit/s", "cold", "warm", "B/token",
-                  "first token = oracle's", "repeats"], rows,
-                 note="cold = producer prefill + encode + wire + consumer decode + first token; warm = the payload "
-                      "already in the store; oracle = the consumer's own prefill + first token (no link)")
-
-
 def bench_length(bench: dict[str, Any], length: int) -> int | None:
     """The bench length that stands for a TTFT ``length``: equal, or up to :data:`LENGTH_SLACK` tokens below it (the
     bench leaves room for <bos> and the answer); None when the bench has none."""
@@ -472,7 +443,7 @@ def pareto_ttft_figure(pairs: list[tuple[str, dict[str, Any], dict[str, Any]]], 
         ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_title(f"{label}: {_rate_label(key, ttft.get('links') or {})}", fontsize=8)
+        ax.set_title(f"{label}: {rate_label(key, ttft.get('links') or {})}", fontsize=8)
         ax.set_xlabel(f"TTFT ms at {length} tokens (filled: cold, open: warm)", fontsize=8)
         ax.set_ylabel("score (solved cells, 95% CI)", fontsize=8)
         ax.grid(alpha=0.3)
@@ -734,7 +705,7 @@ def build(out_dir: Path, models_dir: Path, pairs: tuple[Pair, ...] = PAIRS) -> S
                 tables.append(Table(
                     f"[{pair.label}] TTFT-vs-quality front at {length} tokens, decided with intervals on both axes "
                     "(the oracle among the rivals)", ["link", "mode", "on the front", "dominated", "undecided"],
-                    [[_rate_label(r["rate"], ttft.get("links") or {}), r["mode"],
+                    [[rate_label(r["rate"], ttft.get("links") or {}), r["mode"],
                       *(", ".join(sorted((m for m, v in r["status"].items() if v == want),
                                          key=lambda m: r["points"][m]["t"])) for want in ("met", "missed", "undecided"))]
                      for r in pr]))
