@@ -56,7 +56,8 @@ def test_the_table_holds_every_task_and_a_collapse_misses_the_floor(models, tmp_
 
 def test_no_collapse_meets_the_floor_and_no_file_names_the_command(models, tmp_path):
     _, _, head = real_section.build(models, tmp_path)
-    assert [h.technique for h in head] == [g.where for g in real_section.GRIDS] + [real_section.DECODE_WHERE] * 2
+    assert [h.technique for h in head] == [g.where for g in real_section.GRIDS] + [real_section.PPL_WHERE] + \
+        [real_section.DECODE_WHERE] * 2
     assert all(h.status == "missing" for h in head) and all("realmodel" in h.command for h in head[:4])
     assert "realmodel8 --set test --task real_niah_single" in head[0].command
     assert "sekv8_2048_single.json" in head[0].command and "sekv_2048.json" in head[1].command
@@ -127,3 +128,30 @@ def test_the_8_to_1_retention_grid_leads_with_its_memory_and_reads_as_checks(mod
     assert checks == [("met", "0.261 x"), ("met", "0.1200 x"), ("missed", "0.310 x"), ("missed", "0.1300 x")]
     assert all("peak read <= 0.125 x bf16" in h.target for h in mine if h.kind == "check" and h.measured.startswith("0.1"))
     assert [h.status != "missed" for h in mine if h.target == "SEKV - full >= -0.05"] == [False, True]
+
+
+def test_held_out_perplexity_at_8_to_1_is_a_table_and_one_decided_row_per_compressed_method(models, tmp_path):
+    from kvstate.lab.semantic import realmodel8_ppl as R
+
+    tables, head = real_section.ppl(models)  # no file yet: one row naming the command
+    assert tables == [] and len(head) == 1 and "realmodel8_ppl" in head[0].measured + str(head[0])
+    methods = (R.REFERENCE, R.FLOOR, R.PROPOSED)
+    e = X.Experiment(axis="resolution", name=R.EXPERIMENT, methods=methods, seeds=(1104,), tasks=(R.TASK,),
+                     lengths=(R.CONTEXT,), n=8, reference=R.REFERENCE, code=("lab/scoring.py",),
+                     settings={"text": "Python's topics", "continuation": R.CONTINUATION})
+    nll = {i: 20.0 + i % 3 for i in range(8)}
+
+    def extra(i: int) -> dict:
+        return {R.REFERENCE: {"nll": nll[i], "tokens": 10, "memory_bf16": 1.0, "context_memory_bf16": 1.0},
+                R.FLOOR: {"nll": nll[i] + 0.001 * (i % 2), "tokens": 10, "memory_bf16": 1.0, "context_memory_bf16": 1.0},
+                R.PROPOSED: {"nll": nll[i] + 1.0 + 0.1 * (i % 3), "tokens": 10, "memory_bf16": 0.16,
+                             "context_memory_bf16": 0.105}}
+
+    recs = [{"scores": {R.REFERENCE: 1.0, R.FLOOR: 1.0, R.PROPOSED: 0.9}, "extra": extra(i)} for i in range(8)]
+    X.run_items(e, lambda it: X.ItemResult(recs[it.index]["scores"], recs[it.index]["extra"]),
+                out=models / real_section.PPL_FILE, appendix=lambda _j: R.summary(methods, recs, 1104))
+    tables, head = real_section.ppl(models)
+    assert [r[0] for r in tables[0].rows] == list(methods)
+    assert [(h.status, h.target.split(":")[0]) for h in head] == [("missed", R.PROPOSED)]  # ~+11%: above +2%
+    assert head[0].measured.startswith("1.1") and head[0].ci[0] > R.PPL_LIMIT
+    assert tables[0].rows[2][4] == "0.105" and tables[0].rows[1][6] == ""  # the floor: shown, not decided

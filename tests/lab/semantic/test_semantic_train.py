@@ -88,13 +88,13 @@ def test_report_section_reads_results(tmp_path):
     assert {h.status for h in stale.headline[:-1]} == {"stale", "missing"} and stale.headline[-1].status == "met"
     (tmp_path / "ref-attn-sekv" / "eval.json").write_text(json.dumps({"model": "m", "results": []}))
     empty = build(tmp_path, tmp_path)  # no rows at all in the headline file: the hybrid rows still show
-    # the real model's rows lead (8:1 retention, 8:1 pages, 16:1 at 2K and 4K, 16:1's decode at 4K and 8K; no
-    # committed file here: missing, each naming its command)
-    assert [h.status for h in empty.headline] == ["missing"] * 6 + ["stale", "met"] and \
+    # the real model's rows lead (8:1 retention, 8:1 pages, 16:1 at 2K and 4K, 8:1's held-out perplexity, 16:1's
+    # decode at 4K and 8K; no committed file here: missing, each naming its command)
+    assert [h.status for h in empty.headline] == ["missing"] * 7 + ["stale", "met"] and \
         empty.tables[0].title.startswith("ref-hybrid") and "realmodel8 " in empty.headline[0].command and \
         "realmodel " in empty.headline[1].command and "realmodel16 " in empty.headline[2].command and \
-        "--length 4096" in empty.headline[3].command and \
-        all("semantic.timing " in h.command for h in empty.headline[4:6])
+        "--length 4096" in empty.headline[3].command and "realmodel8_ppl " in empty.headline[4].command and \
+        all("semantic.timing " in h.command for h in empty.headline[5:7])
     (tmp_path / "ref-attn-sekv" / "eval.json").unlink()
     append_run(tmp_path / "ref-attn-sekv" / "eval.json", main, Recorder(code=EVAL_CODE).finish())
     sec = build(tmp_path, tmp_path)

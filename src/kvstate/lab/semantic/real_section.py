@@ -4,7 +4,8 @@ techniques.md#resolution``; Quest: "Query-Aware Sparsity for Efficient Long-Cont
 
 Reads the committed ``models/smollm2/sekv_2048.json`` (:mod:`kvstate.lab.semantic.realmodel`; one run per task, each
 on its own test seed), ``sekv8_2048_{task}.json`` (:mod:`kvstate.lab.semantic.realmodel8`, the retention design at
-8:1, shown first) and the 16:1 files (:mod:`kvstate.lab.semantic.realmodel16`): per method and task the score with its interval and n, memory (every tier, mean and largest
+8:1, shown first), the 16:1 files (:mod:`kvstate.lab.semantic.realmodel16`) and ``sekv8_ppl.json`` (held-out
+perplexity at 8:1, :mod:`kvstate.lab.semantic.realmodel8_ppl`): per method and task the score with its interval and n, memory (every tier, mean and largest
 over the items) and reads per pass over a bf16 full cache, memory over the fp32 cache beside; a figure of score
 against bf16 memory per task; one headline row per decided target, and the class floor (no task the full cache
 scores >= 0.5 on below 0.9x it) as a row. A missing or stale file shows the command that writes it.
@@ -201,7 +202,51 @@ def build(models_dir: Path, out_dir: Path) -> tuple[list[Table], list[Figure], l
     for grid in GRIDS:
         t, f, h = _build(models_dir, out_dir, grid)
         tables, figures, head = tables + t, figures + f, head + h
-    return tables + ([probe] if probe is not None else []), figures, head + decode_rows(models_dir)
+    ppl_tables, ppl_head = ppl(models_dir)
+    return (tables + ppl_tables + ([probe] if probe is not None else []), figures,
+            head + ppl_head + decode_rows(models_dir))
+
+
+# issue 48's held-out perplexity at 8:1 (lab/semantic/realmodel8_ppl.py): one run on its own test seed
+PPL_FILE = "smollm2/sekv8_ppl.json"
+PPL_COMMAND = ("OMP_NUM_THREADS=1 python -m kvstate.lab.semantic.realmodel8_ppl --n 100 --seed SEED "
+               "--out models/smollm2/sekv8_ppl.json")
+PPL_WHERE = "SEKV on the real model (1K, 8:1, held-out perplexity)"
+
+
+def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
+    """Held-out perplexity at 8:1 (``sekv8_ppl.json``): the table and one headline row per compressed method (its
+    paired perplexity ratio to the full cache's against the pre-registered limit, decided by the run)."""
+    art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
+    if art.run is None:
+        return [], [artifact_row(art, PPL_WHERE, "held-out perplexity at 8:1: SEKV <= 1.02x the full cache's", "")]
+    run = art.run
+    exp = run.get("experiment") or {}
+    seeds = ", ".join(str(x) for x in exp.get("seeds", []))
+    agree = {r["method"]: r for r in run.get("rows") or []}
+    body, head = [], []
+    for r in (run.get("appendix") or {}).get("rows") or []:
+        a = agree.get(r["method"])
+        ratio = f"{r['ratio']:.3f}x [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]" if "ratio" in r else "1"
+        body.append([r["method"], f"{r['ppl']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]", ratio,
+                     f"{a['value']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}]" if a and a.get("ci") else
+                     f"{r['top1_agreement']:.3f}", _num(r.get("context_memory_bf16_max")), _num(r.get("memory_bf16_max")),
+                     r.get("status", ""), str(r["windows"]), seeds, art.status])
+        if "status" in r:
+            head.append(artifact_row(art, PPL_WHERE, f"{r['method']}: held-out perplexity at 8:1 {r['target']}",
+                                     ratio, status=r["status"], n=r["windows"], seeds=exp.get("seeds"),
+                                     ci=tuple(r["ratio_ci"])))
+    settings = (run.get("provenance") or {}).get("settings") or {}
+    table = Table("Real model (SmolLM2-135M-Instruct): held-out perplexity after compressing the context at 8:1",
+                  ["method", "perplexity [95%]", "ratio to full [95%, paired]", "top-1 = full's [95%]",
+                   "memory bf16, context (max)", "memory bf16, at the end (max)", "target", "windows", "seed", "file"],
+                  body,
+                  f"windows of {settings.get('text', 'held-out text')}: "
+                  f"{', '.join(str(x) for x in exp.get('lengths', []))} context tokens compressed, then the "
+                  f"{settings.get('continuation', '')} next tokens fed one at a time and scored (teacher-forced); "
+                  "full_bf16: the full cache rounded to bf16 (the noise floor, never decided); memory at the end "
+                  "includes the continuation, which every method holds exact")
+    return [table], head
 
 
 # issue 48's decode cost at 16:1 of memory: one timing run per length, each on its own test seed
