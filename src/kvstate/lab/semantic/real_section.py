@@ -23,6 +23,7 @@ from kvstate.lab.experiment import headline_fields
 from kvstate.lab.provenance import Artifact, load_artifact, read_runs
 from kvstate.lab.report import plots
 from kvstate.lab.report.html import Figure, HeadlineRow, Table, artifact_row
+from kvstate.lab.report.ppl_rows import headline, ppl_rows, seeds
 
 FLOOR_AT, FLOOR = 0.5, 0.9
 
@@ -220,22 +221,15 @@ def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
     if art.run is None:
         return [], [artifact_row(art, PPL_WHERE, "held-out perplexity at 8:1: SEKV <= 1.02x the full cache's", "")]
-    run = art.run
+    run, body, head = art.run, [], []
     exp = run.get("experiment") or {}
-    seeds = ", ".join(str(x) for x in exp.get("seeds", []))
-    agree = {r["method"]: r for r in run.get("rows") or []}
-    body, head = [], []
-    for r in (run.get("appendix") or {}).get("rows") or []:
-        a = agree.get(r["method"])
-        ratio = f"{r['ratio']:.3f}x [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]" if "ratio" in r else "1"
-        body.append([r["method"], f"{r['ppl']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]", ratio,
+    for p in ppl_rows(art):
+        r, a = p.row, p.score
+        body.append([p.method, p.perplexity, p.ratio,
                      f"{a['value']:.3f} [{a['ci'][0]:.3f}, {a['ci'][1]:.3f}]" if a and a.get("ci") else
                      f"{r['top1_agreement']:.3f}", _num(r.get("context_memory_bf16_max")), _num(r.get("memory_bf16_max")),
-                     r.get("status", ""), str(r["windows"]), seeds, art.status])
-        if "status" in r:
-            head.append(artifact_row(art, PPL_WHERE, f"{r['method']}: held-out perplexity at 8:1 {r['target']}",
-                                     ratio, status=r["status"], n=r["windows"], seeds=exp.get("seeds"),
-                                     ci=tuple(r["ratio_ci"])))
+                     r.get("status", ""), str(r["windows"]), seeds(art), art.status])
+        head += [h for h in [headline(art, PPL_WHERE, p, " at 8:1")] if h is not None]
     settings = (run.get("provenance") or {}).get("settings") or {}
     table = Table("Real model (SmolLM2-135M-Instruct): held-out perplexity after compressing the context at 8:1",
                   ["method", "perplexity [95%]", "ratio to full [95%, paired]", "top-1 = full's [95%]",

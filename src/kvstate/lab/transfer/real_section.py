@@ -206,23 +206,18 @@ def ppl(models_dir: Path) -> tuple[list[Table], list[HeadlineRow]]:
     art = load_artifact(models_dir / PPL_FILE, PPL_COMMAND)
     if art.run is None:
         return [], [artifact_row(art, WHERE, "held-out perplexity under the best transfer <= 1.03x the oracle's", "")]
-    run = art.run
+    from kvstate.lab.report.ppl_rows import headline, ppl_rows, seeds
+
+    run, body, head = art.run, [], []
     exp = run.get("experiment") or {}
-    seeds = ", ".join(str(s) for s in exp.get("seeds", []))
-    agree = {r["method"]: r for r in run.get("rows") or []}
-    body, head = [], []
-    for r in (run.get("appendix") or {}).get("rows") or []:
-        a = agree.get(r["method"])
-        ratio = f"{r['ratio']:.3f}x [{r['ratio_ci'][0]:.3f}, {r['ratio_ci'][1]:.3f}]" if "ratio" in r else "1"
-        body.append([r["method"], f"{r['ppl']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]", ratio,
+    for p in ppl_rows(art):
+        r, a = p.row, p.score
+        body.append([p.method, p.perplexity, p.ratio,
                      f"{a['value']:.2f} [{a['ci'][0]:.2f}, {a['ci'][1]:.2f}]" if a and a.get("ci") else "",
                      f"{r['first_divergence']:.1f}", f"{r['bf16_share']:.2f}" if "bf16_share" in r else "1 (own)",
-                     f"{r['recomputed']:.0f}" if "recomputed" in r else "30 (all)", str(r["windows"]), seeds,
+                     f"{r['recomputed']:.0f}" if "recomputed" in r else "30 (all)", str(r["windows"]), seeds(art),
                      art.status])
-        if "status" in r:
-            head.append(artifact_row(art, WHERE, f"{r['method']}: held-out perplexity {r['target']}", ratio,
-                                     status=r["status"], n=r["windows"], seeds=exp.get("seeds"),
-                                     ci=tuple(r["ratio_ci"])))
+        head += [h for h in [headline(art, WHERE, p, "")] if h is not None]
     settings = (run.get("provenance") or {}).get("settings") or {}
     table = Table("Real pair: held-out perplexity and greedy continuation under transfer, against the consumer's "
                   "own prefill", ["method", "perplexity [95%]", "ratio to the oracle [95%, paired]",
